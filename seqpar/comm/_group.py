@@ -1,0 +1,74 @@
+"""Process-group helpers shared by the collectives."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def check_group(group: object, where: str) -> None:
+    """Raise ``ValueError`` unless ``group`` is a ``ProcessGroup`` or ``None``."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"{where}: group must be a torch.distributed ProcessGroup or None, got "
+            f"{type(group).__name__}; pass e.g. state.ulysses_group"
+        )
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Group) -> int:
+    """Size of ``group``; ``None`` is the default group, or a single process when none exists."""
+    if group is None and not _initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank in ``group`` (0 for ``None`` without a process group)."""
+    if group is None and not _initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def check_dim(dim: int, ndim: int, name: str, where: str) -> int:
+    """Normalise a possibly negative ``dim``; ``ValueError`` if out of range."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"{where}: {name} must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{where}: {name}={dim} is out of range for a {ndim}-dim tensor (valid: {-ndim}..{ndim - 1})"
+        )
+    return dim % ndim
+
+
+def check_sizes(sizes: list[int] | tuple[int, ...], parts: int, total: int | None, where: str) -> list[int]:
+    """Validate a per-rank sizes list: ``parts`` non-negative ints summing to ``total``."""
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != parts:
+        raise ValueError(f"{where}: sizes has {len(sizes)} entries {sizes} but the group has {parts} ranks")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{where}: sizes {sizes} has a negative entry")
+    if total is not None and sum(sizes) != total:
+        raise ValueError(f"{where}: sizes {sizes} sum to {sum(sizes)} but the dimension has {total} elements")
+    return sizes
+
+
+def exchange_ints(values: list[int], group: Group, device: torch.device) -> list[list[int]]:
+    """All-gather a short list of ints from every rank: ``out[rank] == values`` of that rank."""
+    n = group_size(group)
+    if n == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    out = torch.empty(n * len(values), dtype=torch.long, device=device)
+    all_gather_flat(out, t, group=group)
+    return out.view(n, len(values)).tolist()
+
+
+# torch >= 2.13 renames the flat-tensor collectives; older releases only have the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

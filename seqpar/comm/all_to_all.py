@@ -1,0 +1,300 @@
+"""Uneven all-to-all over any pair of tensor dims, autograd-aware, one staging copy.
+
+Note [All-to-all layout]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Each rank cuts ``x`` along ``scatter_dim`` into one piece per destination rank and receives one
+piece from every source rank, concatenated along ``gather_dim``. Sizes never need to divide: piece
+``j`` of the scatter dim has ``split_sizes(x.shape[scatter_dim], N)[j]`` elements (or arbitrary
+ranges, possibly overlapping, for the fused form), and the gather dim may differ between ranks.
+
+We run one ``all_to_all_single`` over a flat staging buffer. Each piece is written into the
+staging buffer *gather-dim first*: the piece ``x.narrow(scatter_dim, ...)`` is copied as
+``piece.movedim(gather_dim, 0)``. The received flat buffer is then the concatenation, over source
+ranks, of ``[g_i, ...]`` blocks, i.e. one contiguous ``[G, ...]`` tensor, and the result is the view
+``buffer.movedim(0, gather_dim)`` -- no copy after the collective, for any ndim and any dim pair.
+Bytes allocated: the staging copy plus the output, 2x the input. The price is that the result is a
+strided view (contiguous only when every dim before ``gather_dim`` has size 1, e.g. the Ulysses
+``[1, S/N, H, D] -> [1, S, H/N, D]`` direction); call ``.contiguous()`` if a later op needs it.
+
+The backward of an all-to-all is the all-to-all with the two dims swapped; for the fused form and
+overlapping ranges, received gradient pieces are added into their ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..layout import offsets, split_sizes
+from ._group import Group, check_dim, check_group, exchange_ints, group_rank, group_size
+
+__all__ = ["all_to_all", "all_to_all_many"]
+
+Ranges = list[tuple[int, int]]  # per destination rank: (start, length) along the scatter dim
+
+
+def _moved_shape(shape: Sequence[int], gather_dim: int) -> list[int]:
+    return [shape[gather_dim]] + [s for d, s in enumerate(shape) if d != gather_dim]
+
+
+def _moved_dim(dim: int, gather_dim: int) -> int:
+    """Position of ``dim`` once ``gather_dim`` has been moved to the front."""
+    return dim + 1 if dim < gather_dim else dim
+
+
+def _exchange(
+    xs: Sequence[torch.Tensor],
+    group: Group,
+    scatter_dim: int,
+    gather_dim: int,
+    ranges: Sequence[Ranges],
+    gather_sizes: Sequence[int],
+) -> torch.Tensor:
+    """No-grad core. Returns the combined output in the input's dim order (a strided view).
+
+    ``xs`` share every dim but ``scatter_dim``; the output's scatter dim concatenates, for this
+    rank, tensor 0's piece, then tensor 1's, ...; its gather dim has ``sum(gather_sizes)`` elements.
+    """
+    n, me = group_size(group), group_rank(group)
+    x0 = xs[0]
+    sd_m = _moved_dim(scatter_dim, gather_dim)
+    base = _moved_shape(x0.shape, gather_dim)  # [g_me, ...], scatter entry replaced per piece
+    lens = [sum(r[j][1] for r in ranges) for j in range(n)]  # combined scatter length per rank
+
+    def block_shape(g: int, length: int) -> list[int]:
+        shape = list(base)
+        shape[0], shape[sd_m] = g, length
+        return shape
+
+    send_shapes = [block_shape(x0.shape[gather_dim], lens[j]) for j in range(n)]
+    send_numel = [torch.Size(s).numel() for s in send_shapes]
+    staging = torch.empty(sum(send_numel), dtype=x0.dtype, device=x0.device)
+    for j, off in enumerate(offsets(send_numel)[:-1]):
+        block = staging[off : off + send_numel[j]].view(send_shapes[j])
+        sub = 0
+        for x, r in zip(xs, ranges):
+            start, length = r[j]
+            if length:
+                piece = x.narrow(scatter_dim, start, length).movedim(gather_dim, 0)
+                block.narrow(sd_m, sub, length).copy_(piece)
+            sub += length
+
+    recv_shapes = [block_shape(g, lens[me]) for g in gather_sizes]
+    recv_numel = [torch.Size(s).numel() for s in recv_shapes]
+    out_shape = block_shape(sum(gather_sizes), lens[me])
+    if n == 1:
+        recv = staging.view(out_shape)  # the staging block already is the output
+    else:
+        recv = torch.empty(out_shape, dtype=x0.dtype, device=x0.device)
+        dist.all_to_all_single(recv.view(-1), staging, recv_numel, send_numel, group=group)
+    return recv.movedim(0, gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, scatter_dim, gather_dim, ranges, gather_sizes, *xs):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        ctx.ranges, ctx.gather_sizes = ranges, gather_sizes
+        ctx.shapes = [x.shape for x in xs]
+        combined = _exchange(xs, group, scatter_dim, gather_dim, ranges, gather_sizes)
+        me = group_rank(group)
+        outs, sub = [], 0
+        for r in ranges:
+            outs.append(combined.narrow(scatter_dim, sub, r[me][1]))
+            sub += r[me][1]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group, sd, gd, ranges = ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.ranges
+        n, me = group_size(group), group_rank(group)
+        lens = [sum(r[j][1] for r in ranges) for j in range(n)]
+        # Combined gradient of this rank's output: [.., G at gather_dim, .., lens[me] at scatter_dim].
+        if len(grads) == 1 and grads[0] is not None:
+            g = grads[0]
+        else:
+            ref = next(t for t in grads if t is not None)
+            shape = list(ref.shape)
+            shape[sd] = lens[me]
+            g = ref.new_zeros(shape)
+            sub = 0
+            for t, r in zip(grads, ranges):
+                if t is not None:
+                    g.narrow(sd, sub, r[me][1]).copy_(t)
+                sub += r[me][1]
+        # Reverse: scatter the gather dim back to its owners, gather the scatter dim.
+        back_ranges = [list(zip(offsets(ctx.gather_sizes)[:-1], ctx.gather_sizes))]
+        back = _exchange([g], group, gd, sd, back_ranges, lens)
+        # back: [.., gather_sizes[me] at gather_dim, .., sum(lens) at scatter_dim], source-major.
+        if len(ranges) == 1 and _is_partition(ranges[0], ctx.shapes[0][sd]):
+            dxs = [back]
+        else:
+            dxs = []
+            lens_off = offsets(lens)
+            sub_off = [0] * n
+            for shape, r in zip(ctx.shapes, ranges):
+                dx = back.new_zeros(shape)
+                for j in range(n):
+                    start, length = r[j]
+                    if length:
+                        src = back.narrow(sd, lens_off[j] + sub_off[j], length)
+                        dx.narrow(sd, start, length).add_(src)
+                    sub_off[j] += length
+                dxs.append(dx)
+        # No gradient for group, scatter_dim, gather_dim, ranges, gather_sizes.
+        return (None, None, None, None, None, *dxs)
+
+
+def _is_partition(ranges: Ranges, size: int) -> bool:
+    pos = 0
+    for start, length in ranges:
+        if start != pos:
+            return False
+        pos += length
+    return pos == size
+
+
+def _check_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, where: str) -> tuple[int, int]:
+    sd = check_dim(scatter_dim, x.ndim, "scatter_dim", where)
+    gd = check_dim(gather_dim, x.ndim, "gather_dim", where)
+    if sd == gd:
+        raise ValueError(
+            f"{where}: scatter_dim={scatter_dim} and gather_dim={gather_dim} are the same dim of a "
+            f"{x.ndim}-dim tensor; they must differ"
+        )
+    return sd, gd
+
+
+def _gather_sizes(
+    xs: Sequence[torch.Tensor], group: Group, gather_dim: int, scatter_dim: int, gather_size: int | None, where: str
+) -> list[int]:
+    """Gather-dim length on every rank, from ``gather_size`` or by exchanging shapes."""
+    n, me = group_size(group), group_rank(group)
+    local = xs[0].shape[gather_dim]
+    if gather_size is not None:
+        if isinstance(gather_size, bool) or not isinstance(gather_size, int) or gather_size < 0:
+            raise ValueError(f"{where}: gather_size must be a non-negative int, got {gather_size!r}")
+        sizes = split_sizes(gather_size, n)
+        if sizes[me] != local:
+            raise ValueError(
+                f"{where}: gather_size={gather_size} over {n} ranks gives rank {me} "
+                f"{sizes[me]} elements (split {sizes}), but its tensor has {local} along "
+                f"gather_dim={gather_dim}; pass gather_size=None to exchange the actual sizes"
+            )
+        return sizes
+    shapes = exchange_ints([len(x.shape) for x in xs] + [s for x in xs for s in x.shape], group, xs[0].device)
+    mine = shapes[me]
+    for rank, other in enumerate(shapes):
+        if other != mine:
+            # Only the gather dim may differ between ranks.
+            def dims(v: list[int]) -> list[list[int]]:
+                out, pos = [], len(xs)
+                for nd in v[: len(xs)]:
+                    out.append(v[pos : pos + nd])
+                    pos += nd
+                return out
+
+            for a, b in zip(dims(other), dims(mine)):
+                if len(a) != len(b) or any(p != q for d, (p, q) in enumerate(zip(a, b)) if d != gather_dim):
+                    raise ValueError(
+                        f"{where}: rank {rank} has shape {a} and rank {me} has shape {b}; all ranks "
+                        f"must agree on every dim except gather_dim={gather_dim}"
+                    )
+    return [v[len(xs) + gather_dim] for v in shapes]
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: Group,
+    scatter_dim: int,
+    gather_dim: int,
+    gather_size: int | None = None,
+) -> torch.Tensor:
+    """All-to-all: scatter ``x`` along ``scatter_dim``, gather the pieces along ``gather_dim``.
+
+    With ``N`` ranks, rank ``j`` receives part ``j`` of ``split_sizes(x.shape[scatter_dim], N)``
+    from every rank, and the pieces are concatenated in rank order along ``gather_dim``. Neither
+    size needs to divide ``N``; ranks may get zero elements. Works for any ndim and any pair of
+    distinct dims. Differentiable: the backward is the reverse all-to-all.
+
+    Example (Ulysses): ``[B, S_local, H, D]`` with ``scatter_dim=2, gather_dim=1`` becomes
+    ``[B, S, H_local, D]`` where ``S_local`` follows ``split_sizes(S, N)`` and ``H_local =
+    split_sizes(H, N)[rank]``.
+
+    Args:
+        x: local tensor; every rank has the same shape except along ``gather_dim``.
+        group: process group (``None``: the default group, or a single process without one).
+        scatter_dim, gather_dim: distinct dims (negative values allowed).
+        gather_size: total length of the gather dim over the group; rank ``i`` must then hold
+            ``split_sizes(gather_size, N)[i]`` elements. ``None`` exchanges the actual sizes (one
+            small extra collective) and checks the shapes agree.
+
+    Returns:
+        ``x.shape`` with ``scatter_dim -> split_sizes(x.shape[scatter_dim], N)[rank]`` and
+        ``gather_dim -> sum of all ranks' gather lengths``. Memory: one staging copy of ``x`` and
+        the output (2x the input's bytes) in every direction and batch size; the result is a
+        strided view, contiguous when all dims before ``gather_dim`` have size 1
+        (see Note [All-to-all layout]).
+
+    Raises:
+        ValueError: equal or out-of-range dims, a non-ProcessGroup group, a ``gather_size``
+            inconsistent with the local piece, or (with ``gather_size=None``) shapes that differ
+            between ranks outside ``gather_dim``.
+    """
+    return all_to_all_many([x], group, scatter_dim, gather_dim, gather_size)[0]
+
+
+def all_to_all_many(
+    xs: Sequence[torch.Tensor],
+    group: Group,
+    scatter_dim: int,
+    gather_dim: int,
+    gather_size: int | None = None,
+    scatter_ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> list[torch.Tensor]:
+    """One fused all-to-all of several tensors (e.g. q, k and v), differentiable.
+
+    ``xs`` must share dtype, device and every dim except ``scatter_dim`` (q with ``H`` heads and
+    k/v with ``Hkv`` heads, say). ``scatter_ranges[t][j] = (start, length)`` says which slice of
+    tensor ``t`` goes to rank ``j`` (default: the ``split_sizes`` partition); ranges may overlap,
+    which sends a slice to several ranks (their gradients are summed in backward). Returns one
+    tensor per input, as in :func:`all_to_all`; the outputs are views of one receive buffer.
+
+    Raises:
+        ValueError: as :func:`all_to_all`, plus mismatched tensors or malformed ranges.
+    """
+    where = "all_to_all"
+    check_group(group, where)
+    if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
+        raise ValueError(f"{where}: expected one or more tensors, got {[type(x).__name__ for x in xs]}")
+    x0 = xs[0]
+    sd, gd = _check_dims(x0, scatter_dim, gather_dim, where)
+    for i, x in enumerate(xs[1:], 1):
+        same = x.ndim == x0.ndim and all(a == b for d, (a, b) in enumerate(zip(x.shape, x0.shape)) if d != sd)
+        if not same or x.dtype != x0.dtype or x.device != x0.device:
+            raise ValueError(
+                f"{where}: tensor {i} {tuple(x.shape)} {x.dtype} {x.device} does not match tensor 0 "
+                f"{tuple(x0.shape)} {x0.dtype} {x0.device} outside scatter_dim={scatter_dim}"
+            )
+    n = group_size(group)
+    if scatter_ranges is None:
+        ranges = []
+        for x in xs:
+            sizes = split_sizes(x.shape[sd], n)
+            ranges.append(list(zip(offsets(sizes)[:-1], sizes)))
+    else:
+        if len(scatter_ranges) != len(xs):
+            raise ValueError(f"{where}: {len(scatter_ranges)} scatter_ranges for {len(xs)} tensors")
+        ranges = []
+        for t, (x, r) in enumerate(zip(xs, scatter_ranges)):
+            r = [(int(a), int(b)) for a, b in r]
+            if len(r) != n or any(a < 0 or b < 0 or a + b > x.shape[sd] for a, b in r):
+                raise ValueError(
+                    f"{where}: scatter_ranges[{t}] = {r} must hold {n} (start, length) pairs inside "
+                    f"the {x.shape[sd]} elements of scatter_dim={scatter_dim}"
+                )
+            ranges.append(r)
+    gather_sizes = _gather_sizes(xs, group, gd, sd, gather_size, where)
+    return list(_AllToAll.apply(group, sd, gd, ranges, gather_sizes, *xs))

@@ -1,0 +1,153 @@
+"""``ParallelState``: the process groups of hybrid context parallelism, passed explicitly.
+
+Rank layout (DESIGN.md): the parent group is cut into data-parallel replicas of ``cp_size =
+ring_size * ulysses_size`` consecutive ranks. Within a CP group, ``cp_rank = ring_rank *
+ulysses_size + ulysses_rank`` (Ulysses innermost, so its all-to-all stays inside a node)::
+
+    parent rank g:  dp_rank = g // cp_size,  cp_rank = g % cp_size
+    cp_rank c:      ring_rank = c // ulysses_size,  ulysses_rank = c % ulysses_size
+
+Every group's members are ordered by their rank along that axis, so a collective over
+``cp_group`` sees the CP ranks in ``cp_rank`` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .comm import group_rank, group_size
+
+__all__ = ["ParallelState"]
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ParallelState: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _new_group(ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGroup | None):
+    """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set."""
+    if ranks == parent_ranks:
+        return parent
+    return dist.new_group(ranks)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class ParallelState:
+    """Ring, Ulysses, CP and DP groups of one process (a collective constructor).
+
+    Args:
+        ring_size: ``R``, ranks in the outer ring (point-to-point K/V exchange).
+        ulysses_size: ``U``, ranks in the inner Ulysses all-to-all group.
+        group: parent process group; ``None`` means the default group. ``ring_size *
+            ulysses_size`` must divide its size; the remaining factor is data parallelism.
+            With ``torch.distributed`` not initialised, only the size-1 state is possible.
+
+    Attributes:
+        ring_size, ring_rank, ring_group, ulysses_size, ulysses_rank, ulysses_group,
+        cp_size, cp_rank, cp_group, dp_size, dp_rank, dp_group. Groups are ``None`` only in a
+        process with no process group (then every size is 1 and every rank 0).
+
+    Raises:
+        ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
+            divide the parent group's size, or if sizes > 1 are asked for without a process group.
+
+    Every rank of the parent group must construct the state with the same arguments (it creates
+    process groups). Example: 8 ranks, ``ParallelState(ring_size=2, ulysses_size=2)`` gives
+    ``dp_size == 2``; rank 5 has ``dp_rank 1, cp_rank 1, ring_rank 0, ulysses_rank 1``.
+    """
+
+    ring_size: int
+    ring_rank: int
+    ring_group: dist.ProcessGroup | None
+    ulysses_size: int
+    ulysses_rank: int
+    ulysses_group: dist.ProcessGroup | None
+    cp_size: int
+    cp_rank: int
+    cp_group: dist.ProcessGroup | None
+    dp_size: int
+    dp_rank: int
+    dp_group: dist.ProcessGroup | None
+    parent_group: dist.ProcessGroup | None = field(default=None)
+
+    def __init__(
+        self,
+        ring_size: int = 1,
+        ulysses_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        ring_size = _check_size("ring_size", ring_size)
+        ulysses_size = _check_size("ulysses_size", ulysses_size)
+        cp_size = ring_size * ulysses_size
+        self.ring_size, self.ulysses_size, self.cp_size = ring_size, ulysses_size, cp_size
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ValueError("ParallelState: a group was given but torch.distributed is not initialised")
+            if cp_size != 1:
+                raise ValueError(
+                    f"ParallelState: ring_size={ring_size} x ulysses_size={ulysses_size} needs "
+                    f"{cp_size} ranks, but torch.distributed is not initialised; call "
+                    "torch.distributed.init_process_group first (or use ParallelState() for one process)"
+                )
+            self.ring_rank = self.ulysses_rank = self.cp_rank = self.dp_rank = 0
+            self.dp_size = 1
+            self.ring_group = self.ulysses_group = self.cp_group = self.dp_group = None
+            self.parent_group = None
+            return
+
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"ParallelState: group must be a ProcessGroup or None, got {type(group).__name__}")
+        parent = group if group is not None else dist.group.WORLD
+        world = group_size(parent)
+        if world % cp_size != 0:
+            raise ValueError(
+                f"ParallelState: ring_size={ring_size} x ulysses_size={ulysses_size} = {cp_size} "
+                f"does not divide the {world} ranks of the group; choose sizes whose product divides "
+                f"{world} (e.g. ring_size * ulysses_size in {_divisors(world)})"
+            )
+        rank = group_rank(parent)
+        parent_ranks = dist.get_process_group_ranks(parent)
+        dp_size = world // cp_size
+        self.parent_group = parent
+        self.dp_size = dp_size
+        self.dp_rank, self.cp_rank = divmod(rank, cp_size)
+        self.ring_rank, self.ulysses_rank = divmod(self.cp_rank, ulysses_size)
+
+        def g(dp: int, ring: int, uly: int) -> int:
+            return parent_ranks[dp * cp_size + ring * ulysses_size + uly]
+
+        # Every rank creates every group in the same order (new_group is collective).
+        for dp in range(dp_size):
+            ranks = [g(dp, r, u) for r in range(ring_size) for u in range(ulysses_size)]
+            pg = _new_group(ranks, parent_ranks, parent)
+            if dp == self.dp_rank:
+                self.cp_group = pg
+        for dp in range(dp_size):
+            for u in range(ulysses_size):
+                pg = _new_group([g(dp, r, u) for r in range(ring_size)], parent_ranks, parent)
+                if (dp, u) == (self.dp_rank, self.ulysses_rank):
+                    self.ring_group = pg
+            for r in range(ring_size):
+                pg = _new_group([g(dp, r, u) for u in range(ulysses_size)], parent_ranks, parent)
+                if (dp, r) == (self.dp_rank, self.ring_rank):
+                    self.ulysses_group = pg
+        for c in range(cp_size):
+            pg = _new_group([parent_ranks[dp * cp_size + c] for dp in range(dp_size)], parent_ranks, parent)
+            if c == self.cp_rank:
+                self.dp_group = pg
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(ring {self.ring_rank}/{self.ring_size}, ulysses "
+            f"{self.ulysses_rank}/{self.ulysses_size}, cp {self.cp_rank}/{self.cp_size}, "
+            f"dp {self.dp_rank}/{self.dp_size})"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
