@@ -1,8 +1,11 @@
 """seqpar: exact sequence/context parallelism for attention in PyTorch."""
 
 from . import comm, layout
+from .hybrid import SequenceParallelAttention, attention
+from .sdpa import parallel_sdpa
 from .sharding import shard, shard_packed, shard_positions, unshard, unshard_packed
 from .state import ParallelState
+from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
@@ -15,4 +18,8 @@ __all__ = [
     "shard_positions",
     "shard_packed",
     "unshard_packed",
+    "attention",
+    "varlen_attention",
+    "SequenceParallelAttention",
+    "parallel_sdpa",
 ]
