@@ -1,0 +1,226 @@
+"""Ulysses: all-to-all from sequence shards to head shards around an inner attention.
+
+Note [Ulysses head placement]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each of the ``U`` ranks of a Ulysses group holds ``S_u`` tokens of all heads. One all-to-all
+(heads scattered, tokens gathered) gives every rank all ``S = sum(S_u)`` tokens of its heads,
+the inner attention runs, and the reverse all-to-all (tokens scattered, heads gathered) restores
+the token shards. Query heads are split with ``split_sizes(H, U)``, so ``H`` need not divide by
+``U`` and ranks may get no head at all (``H < U``).
+
+K/V heads (GQA/MQA, ``Hkv < H``, group size ``G = H / Hkv``): query head ``h`` reads K/V head
+``h // G``. Rank ``u`` receives only the contiguous K/V range its query heads read, from the
+head of its first query head to that of its last::
+
+    H = 8, Hkv = 2 (G = 4), U = 3      query heads   K/V heads received   kernel sees
+      rank 0                           0 1 2         0                    3 : 1
+      rank 1                           3 4 5         0 1  -> 0 1 1        3 : 3 (expanded)
+      rank 2                           6 7           1                    2 : 1
+
+A K/V head is sent to several ranks when its group of ``G`` query heads is cut between ranks.
+Nothing is replicated when ``G == 1`` (plain multi-head) or ``U`` divides ``Hkv``; otherwise
+the query split cuts groups -- always when ``Hkv < U``, where each K/V head goes to about
+``U / Hkv`` ranks (MQA: to every rank that has a query head). That replication is unavoidable
+-- those ranks all read the head -- and the all-to-all's backward sums its gradients.
+
+The inner kernel wants a uniform GQA ratio: local query head ``i`` reads local K/V head
+``i // (H_u / Hkv_u)``. When the received heads do not map that way (rank 1 above: query heads
+3, 4, 5 read K/V heads 0, 1, 1), K/V are expanded locally with one ``index_select`` to the
+shortest list that does (here ``[0, 1, 1]``, ratio 1; in general blocks of the largest size
+dividing ``H_u`` whose query heads share a K/V head). This only happens when a rank's query
+heads start or end inside a group and the pieces differ in size; it costs one copy of that
+rank's K/V heads, never communication.
+
+q, k and v travel in one fused all-to-all. When v's head dim differs from q's, the head and
+head-dim axes are flattened so the three still share every dim but the scattered one (a copy
+only when those two axes are not adjacent in memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .comm import all_to_all, all_to_all_many, group_rank, group_size
+from .comm._group import Group, check_group
+from .layout import offsets, split_sizes
+
+__all__ = ["HeadAssignment", "head_assignments", "ulysses_attention", "InnerAttention"]
+
+InnerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``inner(q, k, v) -> out`` on ``[B, S, H_u, D]``, ``[B, S, Hkv_u, D]``, ``[B, S, Hkv_u, Dv]``
+with ``H_u % Hkv_u == 0``; returns ``[B, S, H_u, Dv]``."""
+
+
+@dataclass(frozen=True)
+class HeadAssignment:
+    """The heads one Ulysses rank works on (see Note [Ulysses head placement]).
+
+    Attributes:
+        q_start, q_len: the query heads ``[q_start, q_start + q_len)``.
+        kv_start, kv_len: the K/V heads received, ``[kv_start, kv_start + kv_len)``.
+        kv_index: ``None`` when the received K/V heads already map uniformly onto the query
+            heads; otherwise indices into the received heads that expand them to a uniform list.
+    """
+
+    q_start: int
+    q_len: int
+    kv_start: int
+    kv_len: int
+    kv_index: tuple[int, ...] | None
+
+    @property
+    def kernel_kv_heads(self) -> int:
+        """K/V heads the inner kernel sees (after any expansion)."""
+        return self.kv_len if self.kv_index is None else len(self.kv_index)
+
+
+def head_assignments(num_heads: int, num_kv_heads: int, world: int) -> list[HeadAssignment]:
+    """Per Ulysses rank, which query and K/V heads it gets; pure maths, no communication.
+
+    Args:
+        num_heads: ``H`` query heads.
+        num_kv_heads: ``Hkv`` K/V heads, dividing ``H``.
+        world: ``U`` ranks.
+
+    Returns:
+        ``U`` assignments; query heads follow ``split_sizes(H, U)``.
+
+    Raises:
+        ValueError: if ``H % Hkv != 0`` or a count is not positive.
+    """
+    if num_kv_heads < 1 or num_heads < 1 or world < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"head_assignments: need positive counts with H % Hkv == 0, got H={num_heads}, "
+            f"Hkv={num_kv_heads}, U={world}"
+        )
+    group = num_heads // num_kv_heads
+    sizes = split_sizes(num_heads, world)
+    out = []
+    for q_start, q_len in zip(offsets(sizes), sizes):
+        if q_len == 0:
+            out.append(HeadAssignment(q_start, 0, 0, 0, None))
+            continue
+        kv_start = q_start // group
+        kv_len = (q_start + q_len - 1) // group + 1 - kv_start
+        kv_of = [(q_start + i) // group - kv_start for i in range(q_len)]
+        # Largest block size b dividing q_len such that each block of b query heads shares a
+        # K/V head; b = 1 always works (one K/V head per query head).
+        for b in range(q_len, 0, -1):
+            if q_len % b == 0 and all(kv_of[i] == kv_of[i - i % b] for i in range(q_len)):
+                break
+        kernel_kv = kv_of[::b]
+        index = None if kernel_kv == list(range(kv_len)) else tuple(kernel_kv)
+        out.append(HeadAssignment(q_start, q_len, kv_start, kv_len, index))
+    return out
+
+
+def _check_inputs(q: object, k: object, v: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"ulysses_attention: {name} must be a tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(
+                f"ulysses_attention: {name} must be 4-D [B, S_local, heads, head_dim], got shape {tuple(t.shape)}"
+            )
+    B, S, H, D = q.shape
+    if k.shape[:2] != (B, S) or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
+        raise ValueError(
+            f"ulysses_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
+            "[B, S, H, D], [B, S, Hkv, D], [B, S, Hkv, Dv]"
+        )
+    if H % k.shape[2]:
+        raise ValueError(
+            f"ulysses_attention: H={H} query heads is not a multiple of Hkv={k.shape[2]} K/V heads"
+        )
+
+
+def _exchange_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    plan: list[HeadAssignment],
+    gather_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fused all-to-all: heads scattered per ``plan``, tokens gathered."""
+    q_ranges = [(a.q_start, a.q_len) for a in plan]
+    kv_ranges = [(a.kv_start, a.kv_len) for a in plan]
+    if v.shape[-1] == q.shape[-1]:
+        q_u, k_u, v_u = all_to_all_many(
+            [q, k, v], group, scatter_dim=2, gather_dim=1, gather_size=gather_size,
+            scatter_ranges=[q_ranges, kv_ranges, kv_ranges],
+        )
+        return q_u, k_u, v_u
+    # v's head dim differs: scatter over the flattened (heads, head_dim) axis instead.
+    D, Dv = q.shape[-1], v.shape[-1]
+
+    def scale(ranges: list[tuple[int, int]], d: int) -> list[tuple[int, int]]:
+        return [(a * d, n * d) for a, n in ranges]
+
+    q_u, k_u, v_u = all_to_all_many(
+        [q.flatten(2), k.flatten(2), v.flatten(2)], group, scatter_dim=2, gather_dim=1,
+        gather_size=gather_size, scatter_ranges=[scale(q_ranges, D), scale(kv_ranges, D), scale(kv_ranges, Dv)],
+    )
+    return q_u.unflatten(2, (-1, D)), k_u.unflatten(2, (-1, D)), v_u.unflatten(2, (-1, Dv))
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    inner: InnerAttention,
+    *,
+    gather_size: int | None = None,
+) -> torch.Tensor:
+    """Attention over the group's whole sequence, computed per head shard (Ulysses).
+
+    Every rank holds a contiguous piece of one sequence (rank ``i`` holds piece ``i`` of
+    ``split_sizes(S, U)``). The heads are redistributed per Note [Ulysses head placement] with
+    one fused all-to-all, ``inner`` runs on all ``S`` tokens of this rank's heads, and a second
+    all-to-all returns the output to the token shards. Differentiable; with ``U == 1`` it is
+    ``inner(q, k, v)``.
+
+    Args:
+        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's tokens of every head.
+        k: ``(batch, seqlen_local, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``.
+        v: ``(batch, seqlen_local, nheads_kv, headdim_v)``.
+        group: the Ulysses process group (``U`` ranks).
+        inner: attention on the gathered sequence, see :data:`InnerAttention`; it is called
+            with ``(batch, S, H_u, headdim)`` queries and a uniform GQA ratio, and not at all on
+            a rank with no query head (``H < U``) -- all ranks sharing a Ulysses rank index skip
+            it together, so an inner ring over them stays in step.
+        gather_size: ``S``, the total tokens over the group; rank ``i`` must hold
+            ``split_sizes(S, U)[i]``. ``None`` exchanges the lengths (one small collective).
+
+    Returns:
+        ``(batch, seqlen_local, nheads, headdim_v)`` in q's dtype; a strided view of the
+        all-to-all's receive buffer (see Note [All-to-all layout]), so use ``reshape`` rather
+        than ``view`` to merge its head dims.
+
+    Raises:
+        ValueError: non-tensors, shapes that are not ``[B, S, H, D] / [B, S, Hkv, D] /
+            [B, S, Hkv, Dv]``, ``H % Hkv != 0``, a bad group, or a local length that disagrees
+            with ``gather_size``.
+    """
+    _check_inputs(q, k, v)
+    check_group(group, "ulysses_attention")
+    n = group_size(group)
+    if n == 1:
+        return inner(q, k, v)
+    plan = head_assignments(q.shape[2], k.shape[2], n)
+    mine = plan[group_rank(group)]
+    q_u, k_u, v_u = _exchange_qkv(q, k, v, group, plan, gather_size)
+    if mine.q_len == 0:
+        # No heads here: keep every received tensor in the graph so this rank's backward joins
+        # the reverse all-to-all like the others.
+        out = v_u + 0 * (q_u.sum() + k_u.sum())
+    else:
+        if mine.kv_index is not None:
+            index = torch.tensor(mine.kv_index, dtype=torch.long, device=k_u.device)
+            k_u, v_u = k_u.index_select(2, index), v_u.index_select(2, index)
+        out = inner(q_u, k_u, v_u)
+    return all_to_all(out, group, scatter_dim=1, gather_dim=2, gather_size=q.shape[2])

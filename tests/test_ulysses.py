@@ -1,0 +1,227 @@
+"""Ulysses head placement and the all-to-all around an inner attention (seqpar.ulysses).
+
+The inner attention here is plain float64 math (no ring, no backend), so these tests check the
+head/sequence redistribution on its own: uneven heads, GQA with Hkv < U, groups straddling ranks,
+the non-uniform local mapping that needs a local K/V expansion, ranks with no head, and a v head
+dim that differs from q's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar import ParallelState, shard
+from seqpar.layout import offsets, split_sizes
+from seqpar.ulysses import head_assignments, ulysses_attention
+
+
+def _math_attention(q, k, v, causal: bool = False, scale: float | None = None):
+    """Softmax attention in the inputs' dtype, ``[B, S, H, D]``, kv head ``h // (H / Hkv)``."""
+    heads = q.shape[2]
+    k = k.repeat_interleave(heads // k.shape[2], dim=2)
+    v = v.repeat_interleave(heads // v.shape[2], dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        n = q.shape[1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Head placement maths (no communication)
+
+
+def _check_assignment_maths(H: int, Hkv: int, U: int) -> None:
+    G = H // Hkv
+    plan = head_assignments(H, Hkv, U)
+    assert [a.q_len for a in plan] == split_sizes(H, U), (H, Hkv, U)
+    assert [a.q_start for a in plan] == offsets(split_sizes(H, U))[:-1], (H, Hkv, U)
+    for u, a in enumerate(plan):
+        desc = f"H={H} Hkv={Hkv} U={U} rank {u}: {a}"
+        if a.q_len == 0:
+            assert a.kv_len == 0 and a.kv_index is None, desc
+            continue
+        needed = sorted({(a.q_start + i) // G for i in range(a.q_len)})
+        # Exactly the K/V heads its queries read, as one contiguous range.
+        assert list(range(a.kv_start, a.kv_start + a.kv_len)) == needed, desc
+        kernel = list(range(a.kv_len)) if a.kv_index is None else list(a.kv_index)
+        assert a.kernel_kv_heads == len(kernel), desc
+        assert a.q_len % len(kernel) == 0, desc  # a uniform GQA ratio for the kernel
+        ratio = a.q_len // len(kernel)
+        for i in range(a.q_len):
+            # The kernel's mapping (local query i -> kernel kv i // ratio) is the global one.
+            assert a.kv_start + kernel[i // ratio] == (a.q_start + i) // G, f"{desc}, head {i}"
+        if a.kv_index is not None:
+            assert len(a.kv_index) > a.kv_len, desc  # expands only when it must
+    starts_cut = any(a.q_len and (a.q_start % G or (a.q_start + a.q_len) % G) for a in plan)
+    sent = sum(a.kv_len for a in plan)
+    if G == 1 or Hkv % U == 0:
+        assert sent == Hkv and not starts_cut, f"H={H} Hkv={Hkv} U={U}: no replication expected"
+    if Hkv < U and G > 1 and H >= U:
+        assert sent > Hkv, f"H={H} Hkv={Hkv} U={U}: Hkv < U must replicate"
+
+
+def test_head_assignments_cover_every_case():
+    n = 0
+    for H in range(1, 17):
+        for Hkv in (d for d in range(1, H + 1) if H % d == 0):
+            for U in range(1, 10):
+                _check_assignment_maths(H, Hkv, U)
+                n += 1
+    assert n > 400
+
+
+def test_head_assignments_examples():
+    # The docstring example: rank 1 reads K/V heads 0, 1, 1 and is expanded to a 1:1 ratio.
+    plan = head_assignments(8, 2, 3)
+    assert [(a.q_start, a.q_len, a.kv_start, a.kv_len, a.kv_index) for a in plan] == [
+        (0, 3, 0, 1, None),
+        (3, 3, 0, 2, (0, 1, 1)),
+        (6, 2, 1, 1, None),
+    ]
+    # Blocks larger than one head when possible: H=12, Hkv=3 (G=4), U=2; rank 0's heads 0..5
+    # read K/V 0 0 0 0 1 1, so pairs of query heads share one: K/V [0, 0, 1] at ratio 2.
+    plan = head_assignments(12, 3, 2)
+    assert [(a.kv_start, a.kv_len, a.kv_index) for a in plan] == [(0, 2, (0, 0, 1)), (1, 2, (0, 1, 1))]
+    assert plan[0].kernel_kv_heads == 3
+    # MQA over 4 ranks: every rank gets the single K/V head.
+    assert [(a.kv_start, a.kv_len) for a in head_assignments(4, 1, 4)] == [(0, 1)] * 4
+    # H < U: the last ranks have no head.
+    assert [a.q_len for a in head_assignments(2, 2, 4)] == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="H % Hkv"):
+        head_assignments(6, 4, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-rank: output and gradients against single-device float64 attention
+
+
+def _ulysses_cases(world: int) -> list[dict]:
+    """A spread of (B, S, H, Hkv, D, Dv, causal, layout) cases for one world size."""
+    cases = []
+    heads = [(1, 1), (3, 1), (3, 3), (4, 2), (6, 2), (6, 3), (8, 2), (8, 1), (8, 8), (5, 5), (12, 3)]
+    lengths = [5, 37, 64, 2] if world > 2 else [5, 37, 64]
+    for i, ((H, Hkv), S) in enumerate(itertools.product(heads, lengths)):
+        cases.append(
+            dict(B=1 + i % 2, S=S, H=H, Hkv=Hkv, D=8, Dv=8 if i % 5 else 4, causal=bool(i % 3 == 1),
+                 layout=("bshd", "sbhd", "bhsd")[i % 3])
+        )
+    return cases
+
+
+def _rank_ulysses(cases: list[dict]) -> list[tuple[str, float, list[tuple]]]:
+    """Runs on every rank; returns per case (description, max error, inner shapes seen)."""
+    U = dist.get_world_size()
+    state = ParallelState(ring_size=1, ulysses_size=U)
+    results = []
+    for n, c in enumerate(cases):
+        B, S, H, Hkv, D, Dv = (c[x] for x in ("B", "S", "H", "Hkv", "D", "Dv"))
+        gen = torch.Generator().manual_seed(1000 + n)
+        q = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(B, S, Hkv, D, generator=gen, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(B, S, Hkv, Dv, generator=gen, dtype=torch.float64, requires_grad=True)
+        dout = torch.randn(B, S, H, Dv, generator=gen, dtype=torch.float64)
+
+        ref = _math_attention(q, k, v, c["causal"])
+        ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+
+        seen = []
+
+        def inner(qu, ku, vu):
+            seen.append((tuple(qu.shape), tuple(ku.shape), tuple(vu.shape)))
+            return _math_attention(qu, ku, vu, c["causal"])
+
+        # Non-contiguous shards: the layouts' views, as the public API makes them.
+        ql, kl, vl = (shard(t, state, dim=1) for t in (q, k, v))
+        if c["layout"] == "sbhd":
+            ql, kl, vl = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (ql, kl, vl))
+        elif c["layout"] == "bhsd":
+            ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
+        gather_size = S if n % 2 else None
+        out = ulysses_attention(ql, kl, vl, state.ulysses_group, inner, gather_size=gather_size)
+        grads = torch.autograd.grad((out * shard(dout, state, dim=1)).sum(), (q, k, v))
+        err = (out - shard(ref, state, dim=1)).abs().max().item() if out.numel() else 0.0
+        for g, rg in zip(grads, ref_grads):
+            g = g.clone()
+            dist.all_reduce(g)  # partial gradients sum to the exact one
+            err = max(err, (g - rg).abs().max().item())
+        results.append((f"U={U} {c} gather_size={gather_size}", err, seen))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ulysses_matches_reference(pools, world):
+    cases = _ulysses_cases(world)
+    per_rank = pools(world).run(_rank_ulysses, cases)
+    for rank, results in enumerate(per_rank):
+        for c, (desc, err, seen) in zip(cases, results):
+            assert err < 1e-10, f"rank {rank}: {desc}: max error {err:.3g}"
+            a = head_assignments(c["H"], c["Hkv"], world)[rank]
+            if a.q_len == 0:
+                assert seen == [], f"rank {rank}: {desc}: inner called with no heads"
+                continue
+            # The inner kernel saw all S tokens of its heads and a uniform GQA ratio.
+            (qs, ks, vs), = seen
+            assert qs == (c["B"], c["S"], a.q_len, c["D"]), f"rank {rank}: {desc}: q {qs}"
+            assert ks[:2] == qs[:2] and ks[2] == a.kernel_kv_heads, f"rank {rank}: {desc}: k {ks}"
+            assert qs[2] % ks[2] == 0 and vs[3] == c["Dv"], f"rank {rank}: {desc}: {seen}"
+
+
+def _rank_nonuniform(_: None) -> list[tuple]:
+    """H=8, Hkv=2, U=3: rank 1 needs K/V heads 0, 1, 1 (expanded locally)."""
+    state = ParallelState(ring_size=1, ulysses_size=3)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 29, 8, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 29, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 29, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref = _math_attention(q, k, v, causal=True)
+    seen = []
+
+    def inner(qu, ku, vu):
+        seen.append((qu.shape[2], ku.shape[2]))
+        return _math_attention(qu, ku, vu, causal=True)
+
+    out = ulysses_attention(*(shard(t, state) for t in (q, k, v)), state.ulysses_group, inner)
+    (out * out).sum().backward()
+    dk = k.grad.clone()
+    dist.all_reduce(dk)
+    ref_dk = torch.autograd.grad((shard(ref, state) ** 2).sum(), k)[0]
+    dist.all_reduce(ref_dk)  # the loss is the sum over ranks of each rank's share
+    return [seen, (out - shard(ref, state)).abs().max().item(), (dk - ref_dk).abs().max().item()]
+
+
+def test_ulysses_nonuniform_local_mapping(pools):
+    results = pools(3).run(_rank_nonuniform, None)
+    assert [r[0] for r in results] == [[(3, 1)], [(3, 3)], [(2, 1)]], results
+    for rank, (_, err_out, err_dk) in enumerate(results):
+        assert err_out < 1e-10 and err_dk < 1e-10, f"rank {rank}: out {err_out:.3g}, dk {err_dk:.3g}"
+
+
+def _rank_errors(_: None) -> list[str]:
+    state = ParallelState(ring_size=1, ulysses_size=2)
+    q = torch.zeros(1, 3, 4, 8)
+    messages = []
+    bad = [
+        ((q, torch.zeros(1, 3, 3, 8), torch.zeros(1, 3, 3, 8)), "not a multiple"),
+        ((q, torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4)), r"\[B, S, Hkv, D\]"),
+        ((q, torch.zeros(1, 3, 2, 8), "v"), "must be a tensor"),
+        ((q[0], q[0], q[0]), "must be 4-D"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            ulysses_attention(*args, state.ulysses_group, _math_attention)
+        messages.append(match)
+    # Local lengths that disagree with gather_size.
+    with pytest.raises(ValueError, match="gather_size=9"):
+        x = torch.zeros(1, 3, 2, 8)  # both ranks disagree with split_sizes(9, 2) == [5, 4]
+        ulysses_attention(x, x, x, state.ulysses_group, _math_attention, gather_size=9)
+    return messages
+
+
+def test_ulysses_errors(pools):
+    assert all(len(r) == 4 for r in pools(2).run(_rank_errors, None))
