@@ -1,5 +1,266 @@
-"""Placeholder: drop-in scaled_dot_product_attention -- being written."""
+"""Run ``torch.nn.functional.scaled_dot_product_attention`` on sequence shards.
+
+``parallel_sdpa(state)`` makes every ``F.scaled_dot_product_attention`` call of the current thread
+compute exact full-sequence attention over ``state`` (``seqpar.attention(..., layout="bhsd")``),
+so a ViT / video DiT written against SDPA runs context-parallel once its tokens are sharded::
+
+    tokens = seqpar.shard(model.embed(video), state)        # [B, S_local, C]
+    with seqpar.parallel_sdpa(state):
+        tokens = model.blocks(tokens)                        # every SDPA call is now global
+    out = seqpar.unshard(tokens, state, size=S)
+
+Note [SDPA patch]
+~~~~~~~~~~~~~~~~~
+The patch is the one piece of process-wide state in seqpar and is kept as small as possible:
+
+- ``torch.nn.functional.scaled_dot_product_attention`` is replaced by ``_dispatch`` while at
+  least one ``parallel_sdpa`` context is open in *any* thread (a reference count under a lock);
+  the exact original object is put back when the count returns to zero, also on exceptions.
+- Which state a call uses is **thread-local**: each thread has its own stack of active entries.
+  A thread with no open context (or whose innermost entry is :func:`local_sdpa`) gets the original
+  SDPA, so other threads are never affected. Contexts nest; the innermost wins.
+
+What the patch does not reach:
+
+- names bound before the patch, e.g. ``from torch.nn.functional import
+  scaled_dot_product_attention`` at import time, or ``torch._C._nn.scaled_dot_product_attention``;
+  call :func:`scaled_dot_product_attention` (this module) there instead;
+- attention written as explicit matmuls + softmax (e.g. timm with ``fused_attn=False``);
+- graphs already captured by ``torch.compile`` / ``torch.jit``;
+- activation-checkpoint recomputation that runs outside the context or in another thread (the
+  CUDA autograd engine recomputes on its own thread): pass
+  ``context_fn=lambda: (contextlib.nullcontext(), seqpar.parallel_sdpa(state))`` to
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+Every SDPA call under the context is treated as **self-attention over sequence shards**: q, k and
+v must all be this rank's shards of the same global sequence. Cross-attention to replicated
+context (text tokens) is local per rank -- run it inside :func:`local_sdpa`; calls whose query and
+key lengths differ are rejected rather than guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .state import ParallelState
+
+__all__ = ["parallel_sdpa", "local_sdpa", "scaled_dot_product_attention"]
+
+# See Note [SDPA patch]: the patch bookkeeping (install count, original function) and the
+# per-thread stacks of active states (``None`` = plain SDPA, as in ``local_sdpa``).
+_LOCK = threading.Lock()
+_PATCH: dict[str, object] = {"count": 0, "original": None}
+_THREAD = threading.local()
 
 
-def parallel_sdpa(state):
-    raise NotImplementedError("seqpar.parallel_sdpa is being written")
+def _stack() -> list[tuple[ParallelState, str] | None]:
+    stack = getattr(_THREAD, "stack", None)
+    if stack is None:
+        stack = _THREAD.stack = []
+    return stack
+
+
+def _original_sdpa():
+    original = _PATCH["original"]
+    return original if original is not None else F.scaled_dot_product_attention
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    state: ParallelState,
+    backend: str = "auto",
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` with the same arguments, on sequence shards over ``state``.
+
+    Args:
+        query: ``(..., H, S_local, D)``, this rank's shard of the query sequence (``seqpar.shard``
+            along the sequence dim of the tokens the projections ran on).
+        key: ``(..., Hkv, S_local, D)``, the shard of the same global sequence.
+        value: ``(..., Hkv, S_local, Dv)``.
+        attn_mask: must be ``None`` (no masks over shards).
+        dropout_p: must be ``0.0`` (SDPA applies dropout whenever ``dropout_p > 0``, even in
+            eval mode; dropout is not supported on shards).
+        is_causal: causal over the *global* sequence (as SDPA on the unsharded sequence).
+        scale: softmax scale, default ``D ** -0.5``.
+        enable_gqa: as in SDPA; required when ``Hkv != H`` (``H % Hkv == 0``).
+        state: the parallel state the shards live on.
+        backend: attention backend for ``seqpar.attention``.
+
+    Returns:
+        ``(..., H, S_local, Dv)``: this rank's shard of SDPA over the full sequence, in the
+        input dtype. Gradients follow seqpar's partial-gradient convention.
+
+    Raises:
+        ValueError: a non-``None`` ``attn_mask``; ``enable_gqa=False`` with ``Hkv != H``;
+            ``H % Hkv != 0``; fewer than 3 dims; leading dims or query/key lengths that differ
+            (cross-attention to replicated context belongs in :func:`local_sdpa`).
+        NotImplementedError: ``dropout_p > 0``.
+    """
+    if attn_mask is not None:
+        raise ValueError(
+            "parallel_sdpa: attn_mask is not supported on sequence shards (a mask would have to "
+            "cover the global sequence); use is_causal=True for causal attention, or run this call "
+            "inside seqpar.sdpa.local_sdpa() if it is not sequence-parallel"
+        )
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"parallel_sdpa: dropout_p={dropout_p} is not supported on sequence shards; set the "
+            "attention dropout to 0 (SDPA applies dropout whenever dropout_p > 0, even in eval mode)"
+        )
+    if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            "parallel_sdpa: expected query/key/value of shape (..., heads, seq, head_dim) with the "
+            f"same number of dims, got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    lead = query.shape[:-3]
+    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+        raise ValueError(
+            f"parallel_sdpa: leading (batch) dims differ: query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)}, value {tuple(value.shape)}; broadcasting is not supported"
+        )
+    heads, s_q = query.shape[-3], query.shape[-2]
+    heads_kv, s_k = key.shape[-3], key.shape[-2]
+    if s_q != s_k or value.shape[-2] != s_k:
+        raise ValueError(
+            f"parallel_sdpa: query has {s_q} local tokens but key/value have {s_k}/"
+            f"{value.shape[-2]}; under parallel_sdpa every SDPA call is self-attention over "
+            "sequence shards. Cross-attention to replicated context is exact per rank: run it "
+            "inside seqpar.sdpa.local_sdpa()"
+        )
+    if heads_kv != heads:
+        if not enable_gqa:
+            raise ValueError(
+                f"parallel_sdpa: query has {heads} heads but key/value have {heads_kv}; pass "
+                "enable_gqa=True for grouped-query attention (as SDPA requires)"
+            )
+        if heads_kv == 0 or heads % heads_kv != 0:
+            raise ValueError(
+                f"parallel_sdpa: {heads} query heads are not a multiple of {heads_kv} key/value heads"
+            )
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+
+    from .hybrid import attention  # lazy: keeps this module importable on its own
+
+    # Fold the leading dims into one batch dim (SDPA's 3-D form (H, S, D) becomes batch 1).
+    q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    out = attention(q, k, v, state, causal=bool(is_causal), softmax_scale=scale, layout="bhsd", backend=backend)
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def _dispatch(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The patched ``F.scaled_dot_product_attention``: seqpar for this thread's active state."""
+    stack = _stack()
+    top = stack[-1] if stack else None
+    if top is None:
+        kwargs = {"scale": scale} if scale is not None else {}
+        if enable_gqa:
+            kwargs["enable_gqa"] = True
+        return _original_sdpa()(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
+        )
+    state, backend = top
+    stack.append(None)  # an SDPA call made by seqpar itself must not recurse into seqpar
+    try:
+        return scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, state=state, backend=backend
+        )
+    finally:
+        stack.pop()
+
+
+def _install() -> None:
+    with _LOCK:
+        if _PATCH["count"] == 0:
+            _PATCH["original"] = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _dispatch
+        _PATCH["count"] += 1
+
+
+def _uninstall() -> None:
+    with _LOCK:
+        _PATCH["count"] -= 1
+        if _PATCH["count"] == 0:
+            # Restore only our own patch: if someone patched on top of it, leave theirs (our
+            # ``_dispatch`` forwards to the original when no context is active, so it is harmless).
+            if F.scaled_dot_product_attention is _dispatch:
+                F.scaled_dot_product_attention = _PATCH["original"]
+            _PATCH["original"] = None
+
+
+@contextlib.contextmanager
+def _push(entry: tuple[ParallelState, str] | None) -> Iterator[None]:
+    _install()
+    stack = _stack()
+    stack.append(entry)
+    depth = len(stack)
+    try:
+        yield
+    finally:
+        del stack[depth - 1 :]
+        _uninstall()
+
+
+def parallel_sdpa(state: ParallelState, *, backend: str = "auto") -> contextlib.AbstractContextManager[None]:
+    """Context manager: ``F.scaled_dot_product_attention`` runs over sequence shards of ``state``.
+
+    Inside the context (in this thread), ``F.scaled_dot_product_attention(q, k, v, is_causal=...,
+    scale=..., enable_gqa=...)`` on ``[B, H, S_local, D]`` shards returns this rank's shard of the
+    exact attention over the global sequence (see :func:`scaled_dot_product_attention` for the
+    accepted arguments). Outside, SDPA is untouched; contexts nest (innermost wins) and the
+    original function is restored exactly on exit, also on exceptions. See Note [SDPA patch] for
+    thread-safety and what the patch does not reach.
+
+    Args:
+        state: the parallel state the token shards live on (``seqpar.shard`` placement).
+        backend: attention backend passed to ``seqpar.attention``.
+
+    Raises:
+        ValueError: if ``state`` is not a ``ParallelState``. Calls under the context raise
+            ``ValueError`` / ``NotImplementedError`` for masks, dropout and mismatched shapes.
+
+    Example::
+
+        x = seqpar.shard(tokens, state)          # [B, S_local, C]
+        with seqpar.parallel_sdpa(state):
+            y = vit_blocks(x)
+        loss_share = (y * seqpar.shard(target, state)).sum()
+    """
+    if not isinstance(state, ParallelState):
+        raise ValueError(f"parallel_sdpa: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    return _push((state, backend))
+
+
+def local_sdpa() -> contextlib.AbstractContextManager[None]:
+    """Context manager: plain (per-rank) SDPA inside an open :func:`parallel_sdpa` context.
+
+    Use it for attention that is not over the sharded sequence, e.g. cross-attention of image
+    tokens (sharded queries) to replicated text tokens, which is exact per rank: each rank's
+    gradient of the replicated keys/values is partial and sums over the CP group, as seqpar's
+    gradient convention requires.
+    """
+    return _push(None)
