@@ -1,0 +1,244 @@
+"""Losses and gradient synchronisation for training on sequence shards.
+
+Note [Loss shares and gradient sync]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+seqpar's gradient convention (DESIGN.md): on a CP group, rank ``c`` backpropagates its *share*
+``L_c`` of the loss with ``sum_c L_c = L``, and the true gradient of every parameter is the sum
+over the CP group of the per-rank gradients. For a token-mean loss the share is
+
+    L_c = (sum of the loss over rank c's valid tokens) / (number of valid tokens in the sequence)
+
+where the denominator is global: one all-reduce of a count over the CP group
+(:func:`sharded_cross_entropy`, :func:`sharded_mean`). The value of ``L_c`` on its own is not the
+loss; :func:`global_loss` adds the shares up for logging.
+
+With data parallelism on top (``dp_size`` replicas of ``cp_size`` ranks, parameters identical on
+all ``dp_size * cp_size`` ranks), the objective is the mean over replicas,
+``L = (1/dp_size) sum_d sum_c L_{d,c}``, so the gradient every rank needs is
+
+    g = (1/dp_size) * sum over all ranks of the parent group of g_{d,c}
+
+i.e. **sum over CP, mean over DP** -- one all-reduce over the parent group of the gradients
+divided by ``dp_size``. PyTorch's DDP all-reduces over its group and divides by the group size
+(``dp_size * cp_size``), which would be ``cp_size`` times too small; :func:`wrap_ddp` installs a
+communication hook that divides by ``dp_size`` instead (the alternative, multiplying each loss
+share by ``cp_size`` under stock DDP, gives the same gradients). :func:`all_reduce_gradients` is
+the same rule for a training loop without DDP.
+
+Causal LM labels: shift on the **global** sequence before sharding (:func:`shift_labels`), so the
+label of a shard's last token is the first token of the next shard, which this rank does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import layout
+from .comm import all_reduce
+from .state import ParallelState
+
+__all__ = [
+    "shift_labels",
+    "sharded_cross_entropy",
+    "sharded_mean",
+    "global_loss",
+    "wrap_ddp",
+    "all_reduce_gradients",
+]
+
+
+def _check_state(state: object, where: str) -> None:
+    if not isinstance(state, ParallelState):
+        raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
+
+
+def _global_count(count: Tensor, state: ParallelState) -> Tensor:
+    """Sum a count over the CP group (no gradient), clamped to at least 1."""
+    count = count.detach()
+    if state.cp_size > 1:
+        count = all_reduce(count, state.cp_group)
+    return count.clamp_min(1)
+
+
+def shift_labels(
+    labels: Tensor, *, ignore_index: int = -100, seq_lens: Sequence[int] | None = None
+) -> Tensor:
+    """Next-token labels of a **global** (unsharded) sequence: ``out[..., i] = labels[..., i + 1]``.
+
+    Shift before sharding: the label of a shard's last token lives on another rank.
+
+    Args:
+        labels: ``(..., S)`` token ids (usually ``input_ids``), sequence along the last dim.
+        ignore_index: label given to the last token (of each packed sequence).
+        seq_lens: lengths of packed sequences along the last dim; the last token of every
+            sequence gets ``ignore_index`` (no prediction across a document boundary).
+
+    Returns:
+        ``(..., S)`` int64 labels.
+
+    Raises:
+        ValueError: if ``labels`` has no dims, or ``seq_lens`` does not sum to ``S``.
+    """
+    if labels.dim() == 0:
+        raise ValueError("shift_labels: labels must have a sequence dim, got a scalar")
+    out = torch.full_like(labels, ignore_index, dtype=torch.long)
+    out[..., :-1] = labels[..., 1:]
+    if seq_lens is not None:
+        lens = layout.check_seq_lens(seq_lens)
+        if sum(lens) != labels.shape[-1]:
+            raise ValueError(
+                f"shift_labels: seq_lens sum to {sum(lens)} but labels have {labels.shape[-1]} tokens"
+            )
+        ends = [e - 1 for s, e in zip(layout.offsets(lens), layout.offsets(lens)[1:]) if e > s]
+        out[..., ends] = ignore_index
+    return out
+
+
+def sharded_cross_entropy(
+    logits: Tensor, labels: Tensor, state: ParallelState, *, ignore_index: int = -100
+) -> Tensor:
+    """This rank's share of the global token-mean cross-entropy (Note [Loss shares and gradient sync]).
+
+    Args:
+        logits: ``(..., S_local, V)``, the model's output on this rank's shard (any float dtype;
+            computed in at least float32).
+        labels: ``(..., S_local)`` int64, the shard of the *globally shifted* labels
+            (``seqpar.shard(shift_labels(input_ids), state)``); ``ignore_index`` marks no target.
+        state: the parallel state (one all-reduce of the valid-token count over ``cp_group``).
+        ignore_index: label value excluded from the loss and the count.
+
+    Returns:
+        Scalar ``L_c = sum(local token losses) / global valid-token count``; ``sum_c L_c`` is the
+        mean loss over the whole sequence. Backpropagate it on every rank. If no token is valid
+        the count is taken as 1 (loss 0, zero gradients) instead of dividing by zero.
+
+    Raises:
+        ValueError: mismatched shapes, non-integer labels, or a bad ``state``.
+    """
+    _check_state(state, "sharded_cross_entropy")
+    if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"sharded_cross_entropy: logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} "
+            "plus a trailing vocab dim"
+        )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"sharded_cross_entropy: labels must be integer class ids, got {labels.dtype}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    target = labels.reshape(-1).long()
+    total = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
+    count = _global_count((target != ignore_index).sum(), state)
+    return total / count.to(total.dtype)
+
+
+def sharded_mean(values: Tensor, state: ParallelState) -> Tensor:
+    """This rank's share of the mean of ``values`` over every CP rank's elements.
+
+    Args:
+        values: per-element losses of this rank's shard, any shape (e.g. ``(B, S_local, C)``
+            squared errors); shards may differ in size.
+        state: the parallel state (one all-reduce of the element count over ``cp_group``).
+
+    Returns:
+        Scalar ``values.sum() / (total number of elements over the CP group)``; the shares sum to
+        the global mean.
+
+    Raises:
+        ValueError: a bad ``state``.
+    """
+    _check_state(state, "sharded_mean")
+    count = _global_count(torch.tensor(values.numel(), device=values.device), state)
+    return values.sum() / count.to(values.dtype)
+
+
+def global_loss(share: Tensor, state: ParallelState) -> Tensor:
+    """The loss for logging: shares summed over CP, averaged over DP (detached, same on every rank).
+
+    Args:
+        share: this rank's scalar loss share (e.g. from :func:`sharded_cross_entropy`).
+
+    Returns:
+        Detached scalar tensor.
+    """
+    _check_state(state, "global_loss")
+    value = share.detach().clone()
+    if state.cp_size > 1:
+        value = all_reduce(value, state.cp_group)
+    if state.dp_size > 1:
+        value = all_reduce(value, state.dp_group) / state.dp_size
+    return value
+
+
+def _cp_sum_dp_mean_hook(hook_state: tuple[dist.ProcessGroup, int], bucket: dist.GradBucket):
+    """DDP communication hook: all-reduce (sum) a gradient bucket and divide by ``dp_size``."""
+    group, dp_size = hook_state
+    buffer = bucket.buffer()
+    if dp_size > 1:
+        buffer.div_(dp_size)
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_ddp(model: nn.Module, state: ParallelState, **ddp_kwargs) -> nn.Module:
+    """Wrap ``model`` in DDP over all ``dp_size * cp_size`` ranks with seqpar's gradient rule.
+
+    Gradients after ``backward`` are summed over the CP group and averaged over data-parallel
+    replicas (Note [Loss shares and gradient sync]), i.e. equal to the single-device gradient of
+    the mean loss over the DP replicas, when every rank backpropagates its loss share. DDP
+    broadcasts the parameters from the first rank at construction, so all ranks start identical.
+
+    Args:
+        model: the module (on this rank's device).
+        state: the parallel state; DDP runs over ``state.parent_group``.
+        ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (``process_group``
+            is set here).
+
+    Returns:
+        The ``DistributedDataParallel`` module, or ``model`` itself when ``torch.distributed`` is
+        not initialised (a size-1 state).
+
+    Raises:
+        ValueError: a bad ``state`` or a ``process_group`` in ``ddp_kwargs``.
+    """
+    _check_state(state, "wrap_ddp")
+    if "process_group" in ddp_kwargs:
+        raise ValueError("wrap_ddp: process_group is taken from state.parent_group; do not pass it")
+    if state.parent_group is None:
+        return model
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=state.parent_group, **ddp_kwargs)
+    ddp.register_comm_hook((state.parent_group, state.dp_size), _cp_sum_dp_mean_hook)
+    return ddp
+
+
+@torch.no_grad()
+def all_reduce_gradients(parameters: Iterable[nn.Parameter], state: ParallelState) -> None:
+    """In place: every ``p.grad`` becomes its sum over CP and mean over DP (no DDP needed).
+
+    Call after ``backward`` and before the optimizer step; parameters without a gradient are
+    skipped (every rank must hold gradients for the same parameters).
+
+    Raises:
+        ValueError: a bad ``state``.
+    """
+    _check_state(state, "all_reduce_gradients")
+    if state.parent_group is None:
+        return
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in by_dtype.values():  # one flat all-reduce per dtype/device
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = all_reduce(flat, state.parent_group)
+        if state.dp_size > 1:
+            flat /= state.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
