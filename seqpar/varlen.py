@@ -1,5 +1,411 @@
-"""Placeholder: packed variable-length attention -- being written."""
+"""Exact attention over packed variable-length sequences across hybrid (ring x Ulysses) CP.
+
+Input is what ``shard_packed(x, state, seq_lens)`` places on a rank: ``[T_local, H, D]`` tokens of
+many sequences (Note [Sharding placement]). The composition, outermost first:
+
+1. Ulysses (``seqpar.ulysses``, Note [Ulysses head placement]): one fused all-to-all scatters the
+   heads and gathers the ``U`` contiguous token pieces into the ring-local packed sequence
+   ``[L_r, H_u, D]`` (every sequence's zig-zag pieces, in sequence order); the reverse all-to-all
+   returns the output. Heads that do not divide ``U`` and GQA (also ``Hkv < U``) are handled there.
+2. Ring (``seqpar.ring_engine``, Note [Ring engine]): K/V of the ring-local packed sequences travel
+   around the ring; at each step one varlen kernel call computes the block of Note [Varlen ring
+   blocks] (``seqpar.varlen_layout``) and the result is merged by its LSE in fp32. With ``R == 1``
+   this is one local varlen call.
+
+Layers: ``_forward`` / ``_backward`` (ring maths and transport, on ring-local buffers),
+``_VarlenRingAttention`` (autograd), ``varlen_attention`` (public: validation, plan, Ulysses).
+All index maths -- the per-step ``cu_seqlens`` -- is computed once per call from ``seq_lens``
+(:class:`_RingPlan`) and copied to the device in one transfer.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .backends import AttentionBackend, get_backend
+from .comm import group_rank, group_size
+from .comm._group import Group, exchange_ints
+from .layout import check_seq_lens, packed_shard_lengths
+from .merge import accumulator_dtype, merge_
+from .ring_engine import ring_backward, ring_forward
+from .state import ParallelState
+from .ulysses import ulysses_attention
+from .varlen_layout import (
+    local_cu_seqlens,
+    local_positions,
+    local_seq_ids,
+    local_seq_lens,
+    ring_local_lengths,
+    ring_varlen_blocks,
+    varlen_work,
+)
+
+__all__ = [
+    "varlen_attention",
+    "local_cu_seqlens",
+    "local_positions",
+    "local_seq_ids",
+    "local_seq_lens",
+    "varlen_work",
+]
 
 
-def varlen_attention(q, k, v, state, seq_lens, *, causal=False, softmax_scale=None, backend="auto"):
-    raise NotImplementedError("seqpar.varlen_attention is being written")
+@dataclass(frozen=True)
+class _Block:
+    """One ring step's kernel arguments, on the device of the inputs."""
+
+    cu_seqlens_q: Tensor  # int32 [nseg + 1]
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class _RingPlan:
+    """Everything ring rank ``r`` needs for every step, built once per call.
+
+    Attributes:
+        kv_lengths: ring-local token count of every ring rank (the K/V buffer lengths).
+        blocks: per source ring rank, the step's :class:`_Block` or ``None`` (nothing to attend).
+    """
+
+    kv_lengths: list[int]
+    blocks: list[_Block | None]
+
+    @staticmethod
+    def build(
+        seq_lens: list[int], ring_size: int, ring_rank: int, causal: bool, device: torch.device
+    ) -> _RingPlan:
+        blocks = ring_varlen_blocks(seq_lens, ring_size, ring_rank, causal)
+        # All cu_seqlens in one host tensor, one copy to the device, then views.
+        segs = [s for b in blocks if b is not None for s in (b.seg_q, b.seg_k)]
+        host = torch.cat([torch.cat([s.new_zeros(1), s.cumsum(0)]) for s in segs]) if segs else None
+        flat = host.to(device=device, dtype=torch.int32) if host is not None else None
+        views = list(flat.split([s.numel() + 1 for s in segs])) if flat is not None else []
+        out: list[_Block | None] = []
+        for b in blocks:
+            if b is None:
+                out.append(None)
+                continue
+            cu_q, cu_k = views.pop(0), views.pop(0)
+            out.append(_Block(cu_q, cu_k, b.max_seqlen_q, b.max_seqlen_k, b.causal))
+        return _RingPlan(ring_local_lengths(seq_lens, ring_size), out)
+
+    def kv_shapes(self, src: int, k: Tensor, v: Tensor) -> list[tuple[int, ...]]:
+        """Shapes of ring rank ``src``'s ``[k, v]`` (only the token count differs from ours)."""
+        return [(self.kv_lengths[src], *k.shape[1:]), (self.kv_lengths[src], *v.shape[1:])]
+
+
+def _block_forward(
+    backend: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, blk: _Block, scale: float
+) -> tuple[Tensor, Tensor]:
+    return backend.varlen_forward(
+        q, k, v, blk.cu_seqlens_q, blk.cu_seqlens_k, blk.max_seqlen_q, blk.max_seqlen_k,
+        causal=blk.causal, scale=scale,
+    )
+
+
+def _block_backward(
+    backend: AttentionBackend,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    blk: _Block,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return backend.varlen_backward(
+        dout, q, k, v, out, lse, blk.cu_seqlens_q, blk.cu_seqlens_k, blk.max_seqlen_q,
+        blk.max_seqlen_k, causal=blk.causal, scale=scale,
+    )
+
+
+def _empty_result(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``out = 0``, ``lse = -inf`` for queries that attend nothing."""
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+    lse = torch.full(
+        (q.shape[1], q.shape[0]), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device
+    )
+    return out, lse
+
+
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Group,
+    plan: _RingPlan,
+    *,
+    scale: float,
+    backend: AttentionBackend,
+    trace: list | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Packed ring attention forward on ring-local buffers.
+
+    Args:
+        q: ``[L_r, H, D]`` ring-local queries (every sequence's two zig-zag pieces, in order).
+        k, v: ``[L_r, Hkv, D]``.
+        group: the ring group; ``plan``: from :meth:`_RingPlan.build` for this ring rank.
+        scale, backend: softmax scale and kernel.
+        trace: event list for tests (Note [Ring engine]).
+
+    Returns:
+        ``out`` ``[L_r, H, D]`` in q's dtype and ``lse`` ``[H, L_r]`` in ``accumulator_dtype``.
+    """
+    if group_size(group) == 1:  # one local varlen call, nothing to merge
+        blk = plan.blocks[0]
+        return _empty_result(q, v) if blk is None else _block_forward(backend, q, k, v, blk, scale)
+
+    acc_dtype = accumulator_dtype(q.dtype)
+    acc: dict[str, Tensor] = {}  # the first block is kept as computed; later ones merge into it
+
+    def forward_step(src: int, kv: Sequence[Tensor]) -> None:
+        blk = plan.blocks[src]
+        if blk is None:
+            return
+        out_b, lse_b = _block_forward(backend, q, kv[0], kv[1], blk, scale)
+        if not acc:
+            acc["out"], acc["lse"] = out_b, lse_b
+            return
+        if acc["out"].dtype != acc_dtype:
+            acc["out"], acc["lse"] = acc["out"].to(acc_dtype), acc["lse"].to(acc_dtype)
+        merge_(acc["out"], acc["lse"], out_b, lse_b)
+
+    ring_forward(group, [k, v], lambda src: plan.kv_shapes(src, k, v), forward_step, trace=trace)
+    if not acc:
+        return _empty_result(q, v)
+    return acc["out"].to(q.dtype), acc["lse"]
+
+
+def _backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group: Group,
+    plan: _RingPlan,
+    *,
+    scale: float,
+    backend: AttentionBackend,
+    trace: list | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Packed ring attention backward: the forward's steps in the same order, dK/dV sent home.
+
+    Args:
+        dout, out: ``[L_r, H, D]``; ``lse``: ``[H, L_r]`` (the merged forward results).
+        q, k, v, group, plan, scale, backend, trace: as in :func:`_forward`.
+
+    Returns:
+        ``dq, dk, dv`` shaped and typed like ``q, k, v``; dk/dv of this rank's own K/V summed
+        over every ring rank's queries.
+    """
+    if group_size(group) == 1:
+        blk = plan.blocks[0]
+        if blk is None:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return _block_backward(backend, dout, q, k, v, out, lse, blk, scale)
+
+    dq_acc = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+
+    def backward_step(src: int, kv: Sequence[Tensor], dkv: Sequence[Tensor]) -> None:
+        blk = plan.blocks[src]
+        if blk is None:
+            return
+        dq_b, dk_b, dv_b = _block_backward(backend, dout, q, kv[0], kv[1], out, lse, blk, scale)
+        dq_acc.add_(dq_b)
+        dkv[0].add_(dk_b)
+        dkv[1].add_(dv_b)
+
+    dk, dv = ring_backward(
+        group, [k, v], lambda src: plan.kv_shapes(src, k, v), backward_step, trace=trace
+    )
+    return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _VarlenRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, plan, scale, backend):
+        out, lse = _forward(q, k, v, group, plan, scale=scale, backend=backend)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.plan, ctx.scale, ctx.backend = group, plan, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(
+            dout, q, k, v, out, lse, ctx.group, ctx.plan, scale=ctx.scale, backend=ctx.backend
+        )
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        # No gradient for group, plan, scale, backend.
+        return (
+            dq if need_q else None,
+            dk if need_k else None,
+            dv if need_v else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _check_tensors(q: object, k: object, v: object) -> None:
+    where = "varlen_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{where}: {name} must be 3-dim [T_local, heads, head_dim] as produced by "
+                f"seqpar.shard_packed, got shape {tuple(t.shape)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"{where}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{where}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    (_, h, d), (_, hkv, dk) = q.shape, k.shape
+    if d != dk:
+        raise ValueError(f"{where}: head dims differ: q has D={d}, k/v have D={dk}")
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(
+            f"{where}: the H={h} query heads must be a multiple of the Hkv={hkv} key/value heads "
+            f"(GQA); use Hkv in {[x for x in range(1, h + 1) if h % x == 0]}"
+        )
+
+
+def _check_lengths(
+    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, seq_lens: list[int]
+) -> None:
+    """Every CP rank's local token counts against the placement of ``seq_lens``.
+
+    The counts are exchanged over the CP group (one all-gather of three ints) so that a wrong
+    ``seq_lens`` -- which may agree with the local length of some ranks -- raises the same
+    ``ValueError`` on every rank instead of leaving the others waiting in a collective.
+    """
+    R, U = state.ring_size, state.ulysses_size
+    want = packed_shard_lengths(seq_lens, R, U)
+    mine = [q.shape[0], k.shape[0], v.shape[0]]
+    if state.cp_size == 1:
+        got = [mine]
+    else:
+        got = exchange_ints(mine, state.cp_group, q.device)
+    bad = [c for c, (tq, tk, tv) in enumerate(got) if not tq == tk == tv == want[c]]
+    if bad:
+        total = sum(seq_lens)
+        held = [row[0] for row in got]
+        c = bad[0]
+        raise ValueError(
+            f"varlen_attention: seq_lens (sum {total}, {len(seq_lens)} sequences) place "
+            f"{want[c]} tokens on cp rank {c} of ring {R} x ulysses {U} (placement {want}), but "
+            f"it holds q/k/v with {got[c]} tokens (q tokens per cp rank: {held}, global total "
+            f"{sum(held)}); pass the global seq_lens of the packed batch and shard q, k, v with "
+            "seqpar.shard_packed"
+        )
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: ParallelState,
+    seq_lens: Sequence[int] | Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    backend: AttentionBackend | str = "auto",
+) -> Tensor:
+    """Exact attention over packed variable-length sequences sharded with ``shard_packed``.
+
+    Tokens attend only within their own sequence (block-diagonal), causally if asked. Equal to
+    ``shard_packed(attention_of_each_sequence(full_q, full_k, full_v), state, seq_lens)``::
+
+        seq_lens = [3, 2]           causal            non-causal
+                          k: a a a b b         a a a b b
+                      q a    x . . . .         x x x . .
+                        a    x x . . .         x x x . .
+                        a    x x x . .         x x x . .
+                        b    . . . x .         . . . x x
+                        b    . . . x x         . . . x x
+
+    Per Note [Sharding placement] each sequence is zig-zagged over the ring on its own (no
+    padding; sequences shorter than ``2R`` leave empty chunks) and the ring-local concatenation is
+    split contiguously over Ulysses ranks. The Ulysses all-to-all regroups heads (``H``, ``Hkv``
+    need not divide ``U``), then K/V travel around the ring with one varlen kernel call per step
+    (Note [Varlen ring blocks]). Collective over ``state.cp_group``: every CP rank must call it
+    with the same ``seq_lens``, ``causal`` and head counts.
+
+    Args:
+        q: ``(T_local, nheads, headdim)``, this rank's packed tokens (``shard_packed``, dim 0).
+        k, v: ``(T_local, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``.
+        state: the parallel state.
+        seq_lens: global lengths of the packed sequences (non-negative ints, list or tensor),
+            summing to the global token count ``T``; the same on every CP rank.
+        causal: causal attention within each sequence.
+        softmax_scale: default ``headdim ** -0.5``.
+        backend: an ``AttentionBackend`` or a name for ``seqpar.backends.get_backend``.
+
+    Returns:
+        ``(T_local, nheads, headdim)`` in q's dtype (with ``U > 1`` a strided view; ``reshape``
+        rather than ``view`` to merge heads). Differentiable w.r.t. q, k, v; gradients are
+        partial, per DESIGN.md: after backpropagating each rank's own loss share, the gradient of
+        a replicated tensor is the sum over the CP group.
+
+    Raises:
+        ValueError: non-3-dim tensors, mismatched dtypes/devices/head dims, ``nheads`` not a
+            multiple of ``nheads_kv``, negative or non-int lengths, ``seq_lens`` that do not
+            place exactly each CP rank's token count there (e.g. a wrong total; raised on every
+            CP rank), a bad scale or backend.
+    """
+    where = "varlen_attention"
+    _check_tensors(q, k, v)
+    if not isinstance(state, ParallelState):
+        raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    try:
+        lens = check_seq_lens(seq_lens)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise ValueError(f"{where}: softmax_scale must be a float or None, got {softmax_scale!r}")
+    if isinstance(backend, str):
+        backend = get_backend(backend, q.device, q.dtype)
+    elif not isinstance(backend, AttentionBackend):
+        raise ValueError(
+            f"{where}: backend must be a name or an AttentionBackend, got {type(backend).__name__}"
+        )
+    _check_lengths(q, k, v, state, lens)
+
+    group = state.ring_group
+    plan = _RingPlan.build(lens, state.ring_size, group_rank(group), bool(causal), q.device)
+    scale = float(softmax_scale)
+
+    def ring(q_r: Tensor, k_r: Tensor, v_r: Tensor) -> Tensor:
+        return _VarlenRingAttention.apply(q_r, k_r, v_r, group, plan, scale, backend)
+
+    if state.ulysses_size == 1:
+        return ring(q, k, v)
+
+    def inner(q_u: Tensor, k_u: Tensor, v_u: Tensor) -> Tensor:  # [1, L_r, H_u, D]
+        return ring(q_u[0], k_u[0], v_u[0]).unsqueeze(0)
+
+    out = ulysses_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), state.ulysses_group, inner,
+        gather_size=plan.kv_lengths[state.ring_rank],
+    )
+    return out[0]
