@@ -1,0 +1,275 @@
+"""Public hybrid attention (seqpar.attention, SequenceParallelAttention) against the single-device
+float64 reference, for ring x Ulysses factorizations of 1, 2, 3, 4 and 8 ranks.
+
+Each case builds global q, k, v, dout from a seeded generator (identical on every rank), makes the
+global tensors leaves, shards them with ``seqpar.shard`` in the case's layout, runs the attention,
+and backpropagates ``(out * shard(dout)).sum()``. By DESIGN.md's gradient convention the per-rank
+gradients of the global leaves sum over the CP group to the exact gradient, which is compared with
+the reference's. One pool run per world size serves all its cases.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar import ParallelState, SequenceParallelAttention, shard
+from seqpar.backends.reference import reference_attention
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# Max abs error relative to max(1, max |reference|).
+_TOL = {"float64": 1e-10, "float32": 1e-4}
+# bf16, flash-attn's rule: error <= 2 x that of a single-device bf16 computation + eps.
+_BF16_FACTOR, _BF16_EPS = 2.0, 2e-3
+_SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
+
+
+def _to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A bshd tensor viewed in ``layout``."""
+    return {"bshd": x, "sbhd": x.transpose(0, 1), "bhsd": x.transpose(1, 2)}[layout]
+
+
+_to_bshd = _to_layout  # both transposes are involutions
+
+
+def _global_inputs(c: dict) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(c["seed"])
+    B, S, H, Hkv, D = (c[x] for x in ("B", "S", "H", "Hkv", "D"))
+    shapes = [(B, S, H, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, H, D)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+def _reference(q, k, v, dout, causal: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Single-device ``out, dq, dk, dv`` computed in ``dtype``, returned as float64."""
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = reference_attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    return [t.detach().double() for t in (out, *grads)]
+
+
+def _rank_attention(factorizations: list[tuple[int, int]], cases: list[dict]) -> list[tuple]:
+    """On every rank: run each case on each state; return ``(desc, name, err, tol)`` tuples."""
+    results = []
+    for R, U in factorizations:
+        state = ParallelState(ring_size=R, ulysses_size=U)
+        for c in cases:
+            results.extend(_run_case(state, c))
+    return results
+
+
+def _run_case(state: ParallelState, c: dict) -> list[tuple]:
+    dtype, layout, seq_dim = _DTYPES[c["dtype"]], c["layout"], _SEQ_DIM[c["layout"]]
+    desc = (
+        f"R={state.ring_size} U={state.ulysses_size} dp={state.dp_size} cp_rank={state.cp_rank} "
+        f"{c}"
+    )
+    full = _global_inputs(c)
+    # Cast first so that the float64 reference sees exactly the inputs seqpar sees.
+    full[:3] = [t.to(dtype).double() for t in full[:3]]
+    ref = _reference(*full, c["causal"], torch.float64)
+    leaves = [_to_layout(t.to(dtype), layout).requires_grad_() for t in full[:3]]
+    q, k, v = (shard(t, state, dim=seq_dim) for t in leaves)
+    kwargs = dict(causal=c["causal"], layout=layout, backend=c["backend"])
+    seq_len = c["S"] if c["seq_len_kw"] else None
+    if c["api"] == "module":
+        out = SequenceParallelAttention(state, **kwargs)(q, k, v, seq_len=seq_len)
+    else:
+        out = seqpar.attention(q, k, v, state, seq_len=seq_len, **kwargs)
+    if out.dtype != dtype or out.shape != q.shape:
+        return [(desc, f"output {out.dtype} {tuple(out.shape)} vs q {tuple(q.shape)}", 1.0, 0.0)]
+    dout = shard(_to_layout(full[3], layout), state, dim=seq_dim).to(dtype)
+    grads = torch.autograd.grad((out * dout).sum(), leaves)
+    got = [_to_bshd(out.detach(), layout).double()]
+    for g in grads:
+        g = g.clone()
+        dist.all_reduce(g, group=state.cp_group)
+        got.append(_to_bshd(g, layout).double())
+    want = [shard(ref[0], state, dim=1), *ref[1:]]
+    if dtype == torch.bfloat16:
+        same_dtype = _reference(*full, c["causal"], torch.bfloat16)
+        base = [shard(same_dtype[0], state, dim=1), *same_dtype[1:]]
+    out = []
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        scale = max(1.0, want[i].abs().max().item()) if want[i].numel() else 1.0
+        err = (got[i] - want[i]).abs().max().item() / scale if want[i].numel() else 0.0
+        if dtype == torch.bfloat16:
+            base_err = (base[i] - want[i]).abs().max().item() / scale if want[i].numel() else 0.0
+            tol = _BF16_FACTOR * base_err + _BF16_EPS
+        else:
+            tol = _TOL[c["dtype"]]
+        out.append((desc, name, err, tol))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Case generation: a seeded spread over every axis, checked for coverage.
+
+_HEADS = [(h, hkv) for h in (1, 3, 4, 6, 8) for hkv in sorted({1, 2, h}) if h % hkv == 0]
+_AXES = dict(
+    B=[1, 2],
+    S=[5, 37, 64, 129],
+    heads=_HEADS,
+    causal=[False, True],
+    layout=["bshd", "sbhd", "bhsd"],
+    dtype=["float32", "float64", "float32", "bfloat16"],
+    backend=["auto", "auto", "reference"],
+    api=["function", "function", "module"],
+    seq_len_kw=[False, True],
+)
+
+
+def _cases(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        pick = {name: values[(i + rng.randrange(len(values))) % len(values)] for name, values in _AXES.items()}
+        H, Hkv = pick.pop("heads")
+        cases.append(dict(pick, H=H, Hkv=Hkv, D=16, seed=seed * 1000 + i))
+    return cases
+
+
+_WORLDS = {
+    1: ([(1, 1)], 24),
+    2: ([(2, 1), (1, 2)], 16),
+    3: ([(3, 1), (1, 3)], 14),
+    4: ([(4, 1), (2, 2), (1, 4), (2, 1)], 10),  # (2, 1) on 4 ranks: data parallel 2
+    8: ([(8, 1), (1, 8), (2, 4), (4, 2)], 5),
+}
+
+
+def test_case_generation_covers_every_axis():
+    every = [c for world, (_, n) in _WORLDS.items() for c in _cases(n, world)]
+    for name, values in _AXES.items():
+        if name == "heads":
+            assert {(c["H"], c["Hkv"]) for c in every} == set(values)
+        else:
+            assert {c[name] for c in every} == set(values), name
+
+
+@pytest.mark.parametrize("world", sorted(_WORLDS))
+def test_attention_matches_reference(pools, world):
+    factorizations, n = _WORLDS[world]
+    cases = _cases(n, world)
+    per_rank = pools(world).run(_rank_attention, factorizations, cases)
+    checked = 0
+    for rank, results in enumerate(per_rank):
+        assert len(results) == 4 * len(factorizations) * len(cases), f"rank {rank}: {results[:1]}"
+        for desc, name, err, tol in results:
+            assert err <= tol, f"rank {rank}: {desc}: {name} error {err:.3g} > {tol:.3g}"
+            checked += 1
+    assert checked == world * 4 * len(factorizations) * len(cases)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses head edge cases through the public API (uneven heads, Hkv < U, no-head ranks)
+
+
+def _rank_heads(cases: list[dict]) -> list[tuple]:
+    results = []
+    for R, U in [(1, 4), (2, 2)]:
+        state = ParallelState(ring_size=R, ulysses_size=U)
+        for c in cases:
+            results.extend(_run_case(state, c))
+    return results
+
+
+def test_attention_head_splits(pools):
+    base = dict(B=1, S=37, D=8, layout="bshd", dtype="float64", backend="auto", api="function",
+                seq_len_kw=False)
+    heads = [(1, 1), (2, 1), (3, 1), (5, 5), (6, 3), (6, 2), (8, 2), (12, 3), (3, 3), (7, 7)]
+    cases = [dict(base, H=h, Hkv=hkv, causal=causal, seed=i)
+             for i, ((h, hkv), causal) in enumerate(itertools.product(heads, [False, True]))]
+    for rank, results in enumerate(pools(4).run(_rank_heads, cases)):
+        assert len(results) == 2 * 4 * len(cases)
+        for desc, name, err, tol in results:
+            assert err <= tol, f"rank {rank}: {desc}: {name} error {err:.3g} > {tol:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation
+
+
+def _valid():
+    return torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 2, 8), torch.zeros(1, 6, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda q, k, v, s: seqpar.attention("q", k, v, s), "q must be a torch.Tensor"),
+        (lambda q, k, v, s: seqpar.attention(q, k, None, s), "v must be a torch.Tensor"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, object()), "state must be a seqpar.ParallelState"),
+        (lambda q, k, v, s: seqpar.attention(q, k.double(), v, s), "share one floating dtype"),
+        (lambda q, k, v, s: seqpar.attention(q.long(), k.long(), v.long(), s), "floating dtype"),
+        (lambda q, k, v, s: seqpar.attention(q, k.to("meta"), v, s), "on one device"),
+        (lambda q, k, v, s: seqpar.attention(q[0], k, v, s), "q must be 4-dim"),
+        (lambda q, k, v, s: seqpar.attention(q, k[:, :5], v[:, :5], s), r"local length S=6"),
+        (lambda q, k, v, s: seqpar.attention(q, torch.zeros(2, 6, 2, 8), v, s), r"batch size B=1"),
+        (lambda q, k, v, s: seqpar.attention(q, torch.zeros(1, 6, 2, 4), v, s), r"head dim D=8"),
+        (lambda q, k, v, s: seqpar.attention(q, k, torch.zeros(1, 6, 2, 4), s), "same shape"),
+        (lambda q, k, v, s: seqpar.attention(q, torch.zeros(1, 6, 3, 8), torch.zeros(1, 6, 3, 8), s),
+         r"H=4 query heads must be a positive multiple of the Hkv=3.*\[1, 2, 4\]"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, layout="bsh"), r"unknown layout 'bsh'.*bshd"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, backend="nope"), "unknown attention backend 'nope'"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, backend=3), "backend must be a backend name"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, causal=1), "causal must be True or False"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, softmax_scale="x"), "softmax_scale must be"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, seq_len=7), r"holds 6 tokens, but seq_len=7"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, seq_len=-1), "seq_len must be"),
+        (lambda q, k, v, s: SequenceParallelAttention(s, layout="BSHD"), "unknown layout"),
+        (lambda q, k, v, s: SequenceParallelAttention(None), "state must be a seqpar.ParallelState"),
+        (lambda q, k, v, s: SequenceParallelAttention(s, backend="nope")(q, k, v), "unknown attention backend"),
+    ],
+)
+def test_attention_rejects_bad_input(make, match):
+    state = ParallelState()  # no process group in the test process
+    with pytest.raises(ValueError, match=match):
+        make(*_valid(), state)
+
+
+def _rank_placement_errors(_: None) -> list[str]:
+    """Errors that need the other ranks' shapes; every rank must raise the same error."""
+    matched = []
+    for R, U in [(1, 2), (2, 1)]:
+        state = ParallelState(ring_size=R, ulysses_size=U)
+        rank = state.cp_rank
+        # 2 + 4 = 6 tokens, but the placement of 6 is [3, 3] (either factorization).
+        x = torch.zeros(1, 2 + 2 * rank, 2, 8)
+        with pytest.raises(ValueError, match=r"hold \[2, 4\] tokens.*placement of their 6 tokens"):
+            seqpar.attention(x, x, x, state)
+        matched.append("placement")
+        # Ranks disagree on the number of heads.
+        x = torch.zeros(1, 4, 2 + 2 * rank, 8)
+        with pytest.raises(ValueError, match=r"disagree on \(B, H, Hkv, D\)"):
+            seqpar.attention(x, x, x, state)
+        matched.append("disagree")
+        # With seq_len given, the wrong local length raises without communication.
+        x = torch.zeros(1, 4, 2, 8)
+        with pytest.raises(ValueError, match="holds 4 tokens, but seq_len=10"):
+            seqpar.attention(x, x, x, state, seq_len=10, causal=True)
+        matched.append("seq_len")
+    return matched
+
+
+def test_attention_placement_errors(pools):
+    for rank, matched in enumerate(pools(2).run(_rank_placement_errors, None)):
+        assert len(matched) == 6, f"rank {rank}: {matched}"
+
+
+def test_single_process_without_process_group():
+    """``ParallelState()`` with no process group: exact local attention, any layout."""
+    q, k, v, _ = _global_inputs(dict(B=2, S=11, H=6, Hkv=2, D=8, seed=3))
+    want = reference_attention(q, k, v, causal=True)
+    for layout in ("bshd", "sbhd", "bhsd"):
+        out = seqpar.attention(*(_to_layout(t, layout) for t in (q, k, v)), ParallelState(), causal=True, layout=layout)
+        assert out.shape == _to_layout(q, layout).shape, layout
+        assert (_to_bshd(out, layout) - want).abs().max().item() < 1e-10, layout
+    module = SequenceParallelAttention(ParallelState(), causal=True, softmax_scale=0.3)
+    assert "causal=True" in repr(module)
+    want = reference_attention(q, k, v, causal=True, scale=0.3)
+    assert (module(q, k, v) - want).abs().max().item() < 1e-10
