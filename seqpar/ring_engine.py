@@ -1,4 +1,5 @@
-"""The ring step loop shared by dense (``seqpar.ring``) and packed (``seqpar.varlen``) ring attention.
+"""The ring step loop shared by dense (``seqpar.ring``) and packed (``seqpar.varlen``) ring
+attention.
 
 Note [Ring engine]
 ~~~~~~~~~~~~~~~~~~
@@ -18,8 +19,9 @@ Interface (tensors are opaque to the engine: any number, any shapes, any dtype):
   rank: uneven zig-zag chunks); the engine allocates receive buffers from it. It must agree with
   what rank ``src`` actually passes as ``kv``.
 - ``forward_step(src, kv_src) -> None``: compute this step's blocks against ``kv_src`` (the tensors
-  of ring rank ``src``, read-only; they may be in flight to the next rank) and merge them into
-  accumulators the callback owns (``seqpar.merge.merge_``).
+  of ring rank ``src``, read-only: they are being sent to the next rank meanwhile) and merge them
+  into accumulators the callback owns (``seqpar.merge.merge_``). It is called for every ``src``,
+  also when ``kv_src`` or the local queries are empty; skipping empty blocks is its job.
 - ``backward_step(src, kv_src, dkv) -> None``: compute this step's block gradients; add dQ into an
   accumulator the callback owns and add the gradients w.r.t. ``kv_src`` into ``dkv`` -- zeroed
   tensors shaped like ``kv_src`` in ``accumulator_dtype`` (fp32, fp64 for fp64 inputs). Rows
@@ -31,15 +33,15 @@ Schedule (``R > 1``; ``R == 1`` is one step with no communication)::
 
     forward, step i:   post send kv_cur -> next, recv kv of src(i+1) <- prev    ("post_recv", i+1)
                        forward_step(src(i), kv_cur)                             ("compute", i)
-                       wait K/V                                                  ("wait", i+1)
+                       wait K/V                                                 ("wait", i+1)
 
     backward, step i:  post K/V exchange as in forward                          ("post_recv", i+1)
                        backward_step(src(i), kv_cur, dkv_blk)                   ("compute", i)
                        wait the partial dK/dV of src(i) from prev (i > 0)       ("wait_grad", i)
                        dkv_blk += partial; post send dkv_blk -> next and
                        recv the partial of src(i+1) <- prev                     ("post_grad", i)
-                       wait K/V                                                  ("wait", i+1)
-                   after step R-1: wait for the own dK/dV, back from prev        ("wait_grad", R)
+                       wait K/V                                                 ("wait", i+1)
+                   after step R-1: wait for the own dK/dV, back from prev       ("wait_grad", R)
 
 The dK/dV of ring rank ``j``'s K/V start at ``j`` and follow its K/V one hop behind, collecting each
 rank's contribution; the hop after step ``R-1`` brings them home (``src(R) == r``). Each step's
