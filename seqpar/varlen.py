@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .backends import AttentionBackend, get_backend
-from .comm import group_rank, group_size
+from .comm import group_size
 from .comm._group import Group, exchange_ints
 from .layout import check_seq_lens, packed_shard_lengths
 from .merge import accumulator_dtype, merge_
@@ -215,21 +215,26 @@ def _backward(
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         return _block_backward(backend, dout, q, k, v, out, lse, blk, scale)
 
-    dq_acc = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+    acc_dtype = accumulator_dtype(q.dtype)
+    dq_acc: list[Tensor] = []  # the first step's dQ (in the accumulator dtype) collects the rest
 
     def backward_step(src: int, kv: Sequence[Tensor], dkv: Sequence[Tensor]) -> None:
         blk = plan.blocks[src]
         if blk is None:
             return
         dq_b, dk_b, dv_b = _block_backward(backend, dout, q, kv[0], kv[1], out, lse, blk, scale)
-        dq_acc.add_(dq_b)
+        if dq_acc:
+            dq_acc[0].add_(dq_b)
+        else:
+            dq_acc.append(dq_b.to(acc_dtype))
         dkv[0].add_(dk_b)
         dkv[1].add_(dv_b)
 
     dk, dv = ring_backward(
         group, [k, v], lambda src: plan.kv_shapes(src, k, v), backward_step, trace=trace
     )
-    return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq = dq_acc[0].to(q.dtype) if dq_acc else torch.zeros_like(q)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _VarlenRingAttention(torch.autograd.Function):
@@ -392,7 +397,7 @@ def varlen_attention(
     _check_lengths(q, k, v, state, lens)
 
     group = state.ring_group
-    plan = _RingPlan.build(lens, state.ring_size, group_rank(group), bool(causal), q.device)
+    plan = _RingPlan.build(lens, state.ring_size, state.ring_rank, bool(causal), q.device)
     scale = float(softmax_scale)
 
     def ring(q_r: Tensor, k_r: Tensor, v_r: Tensor) -> Tensor:
@@ -401,11 +406,13 @@ def varlen_attention(
     if state.ulysses_size == 1:
         return ring(q, k, v)
 
+    # Views in and out of the batch dim of one (squeeze, not indexing: its backward is a view
+    # too, where ``x[0]`` would allocate a zero tensor and copy the gradient into it).
     def inner(q_u: Tensor, k_u: Tensor, v_u: Tensor) -> Tensor:  # [1, L_r, H_u, D]
-        return ring(q_u[0], k_u[0], v_u[0]).unsqueeze(0)
+        return ring(q_u.squeeze(0), k_u.squeeze(0), v_u.squeeze(0)).unsqueeze(0)
 
     out = ulysses_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), state.ulysses_group, inner,
         gather_size=plan.kv_lengths[state.ring_rank],
     )
-    return out[0]
+    return out.squeeze(0)

@@ -285,7 +285,10 @@ def _run_cases(R: int, U: int, cases: list[dict]) -> list[tuple]:
         q, k, v, dout = (t.to(dtype).requires_grad_(i < 3) for i, t in enumerate(full))
         ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
         ref = reference_varlen_attention(*ref_inputs, lens, causal=causal)
-        ref_grads = torch.autograd.grad((ref * dout.double()).sum(), ref_inputs)
+        if ref.requires_grad:
+            ref_grads = torch.autograd.grad((ref * dout.double()).sum(), ref_inputs)
+        else:  # no tokens at all
+            ref_grads = [torch.zeros_like(t) for t in ref_inputs]
 
         ql, kl, vl = (seqpar.shard_packed(t, state, lens) for t in (q, k, v))
         out = seqpar.varlen_attention(ql, kl, vl, state, lens, causal=causal, backend=case["backend"])
@@ -349,6 +352,18 @@ def test_matches_reference_world4(pools, R, U):
 
 def test_matches_reference_world8(pools):
     _check(pools, 8, 2, 4, _cases(2, 4, [(4, 4), (6, 2), (4, 1)]))
+
+
+def test_tiny_and_empty_batches(pools):
+    """Ranks without a token, and no token at all: outputs [0, H, D], zero gradients."""
+    for R, U in [(2, 2), (1, 4)]:
+        cases = [
+            dict(name=f"{lens} causal={causal}", lens=lens, causal=causal, H=3, Hkv=1, D=4,
+                 seed=len(lens), backend="cpu")
+            for lens in ([1], [2], [], [0, 0], [3, 0, 1])
+            for causal in (False, True)
+        ]
+        _check(pools, 4, R, U, cases)
 
 
 def test_bf16_keeps_dtype(pools):

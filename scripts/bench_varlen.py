@@ -1,0 +1,326 @@
+"""Benchmark packed variable-length attention across CP configurations against one device.
+
+For a long-tailed mix of document lengths (log-normal, packed into one ``--total``-token batch)
+and each ``RxU`` configuration (ring x Ulysses), every rank times ``seqpar.varlen_attention`` on
+its ``shard_packed`` shard, forward and forward+backward, and reports its peak memory; the same
+attention is run unsharded (one process, ``ParallelState()``) as the baseline. The attention work
+per rank (``seqpar.varlen.varlen_work``, (query, key, head) triples) gives the balance that the
+timings should follow.
+
+Two launchers:
+
+- default: a local gloo pool of ``--world`` CPU processes (``seqpar.testing.DistPool``), one
+  thread each, the baseline in the parent with one thread. On a machine with fewer cores than
+  ranks the per-rank times include oversubscription; work balance does not depend on it.
+- ``torchrun --nproc-per-node N scripts/bench_varlen.py --device cuda ...``: one process per
+  GPU with NCCL (rank 0 prints and writes the JSON; the baseline runs on rank 0's device).
+
+Examples::
+
+    python scripts/bench_varlen.py                          # ~1-2 min on 2 cores
+    python scripts/bench_varlen.py --total 131072 --heads 8 --head-dim 64 --world 8 \\
+        --configs 8x1,4x2,2x4,1x8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import seqpar  # noqa: E402
+from seqpar.varlen import varlen_work  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def length_mix(total: int, median: int, sigma: float, seed: int) -> list[int]:
+    """Log-normal document lengths (clipped to ``[1, total]``) packed to exactly ``total`` tokens."""
+    rng = random.Random(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        n = int(rng.lognormvariate(math.log(median), sigma))
+        lens.append(min(max(n, 1), total))
+    lens[-1] -= sum(lens) - total
+    return [n for n in lens if n > 0]
+
+
+def mix_summary(lens: list[int]) -> dict:
+    s = sorted(lens)
+    return {
+        "sequences": len(s),
+        "total": sum(s),
+        "min": s[0],
+        "median": s[len(s) // 2],
+        "max": s[-1],
+        # The length a random attended (query, key) pair sits in; what the balance bound needs.
+        "work_weighted_mean": round(sum(n * n for n in s) / sum(s), 1),
+    }
+
+
+def _peak_reset(device: torch.device) -> int | None:
+    """Reset the peak-memory counter; return the current baseline in bytes (None if unknown)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        _release_free_memory()
+        # Linux: writing 5 to clear_refs resets the resident-set high-water mark (VmHWM).
+        Path("/proc/self/clear_refs").write_text("5")
+        return _proc_status("VmRSS")
+    except OSError:
+        return None
+
+
+def _release_free_memory() -> None:
+    """Make the resident set follow live tensors: map large blocks, return free pages to the OS.
+
+    glibc raises its mmap threshold after the first large free and then keeps freed blocks
+    resident for reuse, so the resident high-water mark would miss most allocations. We fix the
+    threshold at 64 KiB (blocks above it are unmapped on free) and ``malloc_trim(0)`` the free
+    pages already held, so every page a tensor touches after this counts (page granularity).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        raise OSError("libc not found")
+    libc = ctypes.CDLL(name)
+    m_mmap_threshold = -3
+    if libc.mallopt(m_mmap_threshold, 64 * 1024) != 1:
+        raise OSError("mallopt(M_MMAP_THRESHOLD) failed")
+    libc.malloc_trim(0)
+
+
+def _proc_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(field)
+
+
+def _peak_since(device: torch.device, base: int | None) -> int | None:
+    """Peak bytes above ``base`` since :func:`_peak_reset` (device memory or resident set)."""
+    if base is None:
+        return None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    return _proc_status("VmHWM") - base
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inputs(cfg: dict, device: torch.device):
+    lens = cfg["lens"]
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    T, H, Hkv, D = sum(lens), cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    dtype = DTYPES[cfg["dtype"]]
+    q, k, v, dout = (torch.randn(T, h, D, generator=gen).to(device, dtype) for h in (H, Hkv, Hkv, H))
+    return q, k, v, dout
+
+
+def _time(fn, device: torch.device, iters: int, warmup: int, barrier) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, barrier) -> dict:
+    """Time and memory of this rank's varlen_attention on its shard of the configured batch."""
+    lens, causal = cfg["lens"], cfg["causal"]
+    q, k, v, dout = _inputs(cfg, device)
+    ql, kl, vl, dl = (seqpar.shard_packed(t, state, lens) for t in (q, k, v, dout))
+    del q, k, v, dout
+    ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
+
+    def forward():
+        with torch.no_grad():
+            seqpar.varlen_attention(ql, kl, vl, state, lens, causal=causal, backend=cfg["backend"])
+
+    def forward_backward():
+        out = seqpar.varlen_attention(ql, kl, vl, state, lens, causal=causal, backend=cfg["backend"])
+        torch.autograd.grad(out, (ql, kl, vl), dl)
+
+    fwd = _time(forward, device, cfg["iters"], cfg["warmup"], barrier)
+    _time(forward_backward, device, 0, cfg["warmup"], barrier)
+    base = _peak_reset(device)
+    fwd_bwd = _time(forward_backward, device, cfg["iters"], 0, barrier)
+    peak = _peak_since(device, base)
+    return {
+        "tokens": ql.shape[0],
+        "fwd_s": statistics.median(fwd),
+        "fwd_bwd_s": statistics.median(fwd_bwd),
+        "peak_bytes": peak,
+    }
+
+
+def _pool_rank(cfg: dict, R: int, U: int) -> dict:
+    """Runs on every rank of the local pool (module level so that it pickles)."""
+    state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
+    return measure(cfg, state, torch.device("cpu"), lambda: dist.barrier())
+
+
+def _parse_configs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        try:
+            r, u = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--configs: expected items like 2x2 (ring x ulysses), got {item!r}") from None
+        out.append((r, u))
+    return out
+
+
+def _summarise(R: int, U: int, ranks: list[dict], cfg: dict, base: dict) -> dict:
+    cp = R * U
+    ranks = ranks[:cp]  # one CP group
+    work = varlen_work(cfg["lens"], (R, U), cfg["causal"], num_heads=cfg["heads"])
+    fb = [r["fwd_bwd_s"] for r in ranks]
+    peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+    return {
+        "config": f"{R}x{U}",
+        "ring_size": R,
+        "ulysses_size": U,
+        "per_rank": ranks,
+        "work_per_rank": work,
+        "work_max_over_mean": max(work) * len(work) / sum(work),
+        "tokens_max_over_mean": max(r["tokens"] for r in ranks) * cp / sum(r["tokens"] for r in ranks),
+        "fwd_s_max": max(r["fwd_s"] for r in ranks),
+        "fwd_bwd_s_max": max(fb),
+        "time_max_over_mean": max(fb) / statistics.mean(fb),
+        "speedup_fwd_bwd": base["fwd_bwd_s"] / max(fb),
+        "peak_mib_max": max(peaks) / 2**20 if peaks else None,
+    }
+
+
+def _table(results: list[dict], base: dict) -> str:
+    head = (
+        f"{'config':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} {'speedup':>8} {'time max/mean':>14} "
+        f"{'work max/mean':>14} {'peak MiB':>9}"
+    )
+    mib = base["peak_bytes"] / 2**20 if base["peak_bytes"] is not None else float("nan")
+    lines = [
+        head,
+        f"{'1 (ref)':>7} {base['fwd_s'] * 1e3:9.1f} {base['fwd_bwd_s'] * 1e3:11.1f} {1.0:8.2f} "
+        f"{'-':>14} {'-':>14} {mib:9.1f}",
+    ]
+    for r in results:
+        peak = r["peak_mib_max"] if r["peak_mib_max"] is not None else float("nan")
+        lines.append(
+            f"{r['config']:>7} {r['fwd_s_max'] * 1e3:9.1f} {r['fwd_bwd_s_max'] * 1e3:11.1f} "
+            f"{r['speedup_fwd_bwd']:8.2f} {r['time_max_over_mean']:14.3f} "
+            f"{r['work_max_over_mean']:14.4f} {peak:9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--total", type=int, default=32768, help="packed tokens per batch (default 32768)")
+    p.add_argument("--median", type=int, default=1024, help="median document length")
+    p.add_argument("--sigma", type=float, default=1.2, help="log-normal sigma (tail weight)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
+    p.add_argument("--configs", default="4x1,2x2,1x4", help="comma-separated RxU (ring x ulysses)")
+    p.add_argument("--world", type=int, default=4, help="processes of the local pool")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda under torchrun")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    configs = _parse_configs(args.configs)
+    lens = length_mix(args.total, args.median, args.sigma, args.seed)
+    cfg = {
+        "lens": lens, "causal": args.causal, "heads": args.heads, "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim, "dtype": args.dtype, "backend": args.backend,
+        "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
+    }
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if torchrun:
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        device, world, rank = torch.device("cpu"), args.world, 0
+        torch.set_num_threads(1)  # the same as each pool rank
+    for R, U in configs:
+        if world % (R * U):
+            raise SystemExit(f"--configs: {R}x{U} = {R * U} ranks does not divide the world of {world}")
+
+    base = None
+    if rank == 0:
+        base = measure(cfg, seqpar.ParallelState(), device, lambda: None)
+    results = []
+    if torchrun:
+        for R, U in configs:
+            state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
+            mine = measure(cfg, state, device, dist.barrier)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine)
+            if rank == 0:
+                results.append(_summarise(R, U, gathered, cfg, base))
+    else:
+        from seqpar.testing import DistPool
+
+        with DistPool(world, timeout_s=3600) as pool:
+            for R, U in configs:
+                results.append(_summarise(R, U, pool.run(_pool_rank, cfg, R, U), cfg, base))
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+
+    report = {
+        "mix": mix_summary(lens),
+        "settings": {k: v for k, v in cfg.items() if k != "lens"} | {
+            "world": world, "device": str(device), "launcher": "torchrun" if torchrun else "pool",
+        },
+        "unsharded": base,
+        "results": results,
+        "seq_lens": lens,
+    }
+    print(f"mix: {report['mix']}")
+    print(f"settings: {report['settings']}")
+    print(_table(results, base))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    if torchrun:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
