@@ -60,7 +60,7 @@ _PATCH: dict[str, object] = {"count": 0, "original": None}
 _THREAD = threading.local()
 
 
-def _stack() -> list[tuple[ParallelState, str] | None]:
+def _stack() -> list[tuple[ParallelState, int | None, str] | None]:
     stack = getattr(_THREAD, "stack", None)
     if stack is None:
         stack = _THREAD.stack = []
@@ -83,6 +83,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     state: ParallelState,
+    seq_len: int | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` with the same arguments, on sequence shards over ``state``.
@@ -99,6 +100,8 @@ def scaled_dot_product_attention(
         scale: softmax scale, default ``D ** -0.5``.
         enable_gqa: as in SDPA; required when ``Hkv != H`` (``H % Hkv == 0``).
         state: the parallel state the shards live on.
+        seq_len: the global sequence length if known (saves ``seqpar.attention`` one small
+            collective per call); ``None`` lets it find out.
         backend: attention backend for ``seqpar.attention``.
 
     Returns:
@@ -159,7 +162,9 @@ def scaled_dot_product_attention(
 
     # Fold the leading dims into one batch dim (SDPA's 3-D form (H, S, D) becomes batch 1).
     q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-    out = attention(q, k, v, state, causal=bool(is_causal), softmax_scale=scale, layout="bhsd", backend=backend)
+    out = attention(
+        q, k, v, state, causal=bool(is_causal), softmax_scale=scale, layout="bhsd", backend=backend, seq_len=seq_len
+    )
     return out.reshape(*lead, *out.shape[1:])
 
 
@@ -183,11 +188,12 @@ def _dispatch(
         return _original_sdpa()(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
         )
-    state, backend = top
+    state, seq_len, backend = top
     stack.append(None)  # an SDPA call made by seqpar itself must not recurse into seqpar
     try:
         return scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, state=state, backend=backend
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            state=state, seq_len=seq_len, backend=backend,
         )
     finally:
         stack.pop()
@@ -213,7 +219,7 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def _push(entry: tuple[ParallelState, str] | None) -> Iterator[None]:
+def _push(entry: tuple[ParallelState, int | None, str] | None) -> Iterator[None]:
     _install()
     stack = _stack()
     stack.append(entry)
@@ -225,7 +231,9 @@ def _push(entry: tuple[ParallelState, str] | None) -> Iterator[None]:
         _uninstall()
 
 
-def parallel_sdpa(state: ParallelState, *, backend: str = "auto") -> contextlib.AbstractContextManager[None]:
+def parallel_sdpa(
+    state: ParallelState, *, seq_len: int | None = None, backend: str = "auto"
+) -> contextlib.AbstractContextManager[None]:
     """Context manager: ``F.scaled_dot_product_attention`` runs over sequence shards of ``state``.
 
     Inside the context (in this thread), ``F.scaled_dot_product_attention(q, k, v, is_causal=...,
@@ -237,6 +245,8 @@ def parallel_sdpa(state: ParallelState, *, backend: str = "auto") -> contextlib.
 
     Args:
         state: the parallel state the token shards live on (``seqpar.shard`` placement).
+        seq_len: the global length of every sharded sequence attended under the context, if
+            known: saves one small collective per SDPA call (a call on another length raises).
         backend: attention backend passed to ``seqpar.attention``.
 
     Raises:
@@ -252,7 +262,9 @@ def parallel_sdpa(state: ParallelState, *, backend: str = "auto") -> contextlib.
     """
     if not isinstance(state, ParallelState):
         raise ValueError(f"parallel_sdpa: state must be a seqpar.ParallelState, got {type(state).__name__}")
-    return _push((state, backend))
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
+        raise ValueError(f"parallel_sdpa: seq_len must be None or a non-negative int, got {seq_len!r}")
+    return _push((state, seq_len, backend))
 
 
 def local_sdpa() -> contextlib.AbstractContextManager[None]:

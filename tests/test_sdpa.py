@@ -1,0 +1,258 @@
+"""seqpar.parallel_sdpa: SDPA models on sequence shards equal their single-device run."""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import seqpar
+from seqpar import ParallelState, parallel_sdpa, shard
+from seqpar.models import VideoDiT, patchify
+from seqpar.sdpa import local_sdpa
+
+ORIGINAL_SDPA = F.scaled_dot_product_attention
+STATES = [(2, 2), (1, 4), (4, 1)]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: linear q/k/v (GQA), SDPA, output projection, MLP."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, causal: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.causal = heads, kv_heads, causal
+        self.head_dim = dim // heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, heads * self.head_dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.o = nn.Linear(heads * self.head_dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, scale=0.3, enable_gqa=self.kv_heads != self.heads
+        )
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class Net(nn.Module):
+    def __init__(self, dim_in, dim, heads, kv_heads, causal, depth=2):
+        super().__init__()
+        self.inp = nn.Linear(dim_in, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads, kv_heads, causal) for _ in range(depth)])
+        self.out = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 5))
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x)))
+
+
+def _compare_sharded(model, inputs, weights, state, call):
+    """Max |error| of the shard's output, of CP-summed parameter grads and of the input grad."""
+    x_full = inputs.clone().requires_grad_(True)
+    ref = call(model, x_full)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [x_full, *model.parameters()])
+
+    x = inputs.clone().requires_grad_(True)
+    with parallel_sdpa(state):
+        out = call(model, shard(x, state))
+    grads = torch.autograd.grad((out * shard(weights, state)).sum(), [x, *model.parameters()])
+    errs = {"out": (out - shard(ref, state)).abs().max().item() if out.numel() else 0.0}
+    g_err = 0.0
+    for g, r in zip(grads, ref_grads):
+        g = g.clone()
+        dist.all_reduce(g, group=state.cp_group)
+        g_err = max(g_err, (g - r).abs().max().item())
+    errs["grad"] = g_err
+    return errs
+
+
+def _sdpa_model_cases(ring, ulysses, cases):
+    state = ParallelState(ring, ulysses)
+    results = []
+    for seq_len, heads, kv_heads, causal in cases:
+        torch.manual_seed(1234)
+        model = Net(7, 6 * heads, heads, kv_heads, causal).double()
+        g = torch.Generator().manual_seed(seq_len)
+        x = torch.randn(2, seq_len, 7, generator=g, dtype=torch.float64)
+        w = torch.randn(2, seq_len, 5, generator=g, dtype=torch.float64)
+        errs = _compare_sharded(model, x, w, state, lambda m, t: m(t))
+        results.append(((seq_len, heads, kv_heads, causal), errs))
+    return results
+
+
+@pytest.mark.parametrize("ring,ulysses", STATES)
+def test_sdpa_model_matches_single_device(pools, ring, ulysses):
+    # Odd token counts; heads 3 and 5 divide no Ulysses size > 1; GQA 6/3 and 6/2, MQA 5/1.
+    cases = [
+        (37, 3, 3, False),
+        (37, 3, 3, True),
+        (41, 6, 3, True),
+        (23, 6, 2, False),
+        (29, 5, 1, True),
+        (5, 3, 3, True),  # fewer tokens than 2 * ring * ulysses on some states
+    ]
+    for per_rank in pools(4).run(_sdpa_model_cases, ring, ulysses, cases):
+        for case, errs in per_rank:
+            assert errs["out"] < 1e-6, (case, errs)
+            assert errs["grad"] < 1e-6, (case, errs)
+
+
+def _dit_case(ring, ulysses):
+    state = ParallelState(ring, ulysses)
+    torch.manual_seed(0)
+    model = VideoDiT(in_channels=2, patch=(1, 2, 2), grid=(3, 3, 5), dim=24, depth=2, heads=3).double()
+    g = torch.Generator().manual_seed(7)
+    patches = patchify(torch.randn(2, 2, 3, 6, 10, generator=g, dtype=torch.float64), model.patch)
+    t = torch.rand(2, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 45, 8, generator=g, dtype=torch.float64)
+    pos = seqpar.shard_positions(45, state)
+
+    x_full = patches.clone().requires_grad_(True)
+    ref = model(x_full, t)
+    ref_grads = torch.autograd.grad((ref * w).sum(), [x_full, *model.parameters()])
+    x = patches.clone().requires_grad_(True)
+    with parallel_sdpa(state, seq_len=45):  # known length: no collective to find it
+        out = model(shard(x, state), t, pos)
+    grads = torch.autograd.grad((out * shard(w, state)).sum(), [x, *model.parameters()])
+    g_err = 0.0
+    for gr, r in zip(grads, ref_grads):
+        gr = gr.clone()
+        dist.all_reduce(gr, group=state.cp_group)
+        g_err = max(g_err, (gr - r).abs().max().item())
+    return (out - shard(ref, state)).abs().max().item(), g_err
+
+
+def test_video_dit_matches_single_device(pools):
+    for out_err, grad_err in pools(4).run(_dit_case, 2, 2):
+        assert out_err < 1e-6 and grad_err < 1e-6, (out_err, grad_err)
+
+
+def _sdpa_3d_and_batched(ring, ulysses):
+    """SDPA's (N, S, D) form and extra leading dims fold into the batch."""
+    state = ParallelState(ring, ulysses)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 4, 19, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = ORIGINAL_SDPA(q, k, v, is_causal=True)
+    with parallel_sdpa(state):
+        out5 = F.scaled_dot_product_attention(*(shard(t, state, dim=3) for t in (q, k, v)), is_causal=True)
+        q3, k3, v3 = (shard(t[0, 0], state, dim=1) for t in (q, k, v))
+        out3 = F.scaled_dot_product_attention(q3, k3, v3, is_causal=True)
+    return (
+        (out5 - shard(ref, state, dim=3)).abs().max().item(),
+        (out3 - shard(ref[0, 0], state, dim=1)).abs().max().item(),
+    )
+
+
+def test_sdpa_leading_dims(pools):
+    for err5, err3 in pools(4).run(_sdpa_3d_and_batched, 2, 2):
+        assert err5 < 1e-10 and err3 < 1e-10
+
+
+# --- single-process behaviour of the patch -----------------------------------------------------
+
+
+def _qkv(heads=4, kv_heads=4, s=9, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(2, heads, s, d, generator=g, dtype=dtype),
+        torch.randn(2, kv_heads, s, d, generator=g, dtype=dtype),
+        torch.randn(2, kv_heads, s, d, generator=g, dtype=dtype),
+    )
+
+
+def test_size_one_state_equals_sdpa():
+    q, k, v = _qkv(heads=6, kv_heads=2)
+    ref = ORIGINAL_SDPA(q, k, v, is_causal=True, enable_gqa=True)
+    with parallel_sdpa(ParallelState()):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref)
+    with parallel_sdpa(ParallelState(), seq_len=5):
+        with pytest.raises(ValueError, match="seq_len"):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # 9 tokens, not 5
+    with pytest.raises(ValueError, match="seq_len must be None or a non-negative int"):
+        parallel_sdpa(ParallelState(), seq_len=-1)
+
+
+def test_patch_restored_exactly_and_nests():
+    state = ParallelState()
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    with parallel_sdpa(state):
+        patched = F.scaled_dot_product_attention
+        assert patched is not ORIGINAL_SDPA
+        assert torch.nn.functional.scaled_dot_product_attention is patched
+        with parallel_sdpa(state):
+            assert F.scaled_dot_product_attention is patched
+            with local_sdpa():
+                q, k, v = _qkv()
+                mask = torch.zeros(9, 9, dtype=torch.float64)
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # plain SDPA accepts masks
+            with pytest.raises(ValueError, match="attn_mask is not supported"):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert F.scaled_dot_product_attention is patched
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_patch_restored_on_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with parallel_sdpa(ParallelState()):
+            raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="attn_mask"):
+        with parallel_sdpa(ParallelState()):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(9, 9, dtype=torch.float64))
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_other_threads_untouched():
+    q, k, v = _qkv()
+    mask = torch.zeros(9, 9, dtype=torch.float64)
+    entered, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        entered.wait(10)
+        # The patch is installed, but this thread has no active state: plain SDPA, masks allowed.
+        seen["patched"] = F.scaled_dot_product_attention is not ORIGINAL_SDPA
+        seen["out"] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with parallel_sdpa(ParallelState()):
+        entered.set()
+        assert done.wait(10)
+    t.join()
+    assert seen["patched"]
+    torch.testing.assert_close(seen["out"], ORIGINAL_SDPA(q, k, v, attn_mask=mask))
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_unsupported_arguments_raise():
+    q, k, v = _qkv(heads=4, kv_heads=2)
+    with parallel_sdpa(ParallelState()):
+        with pytest.raises(ValueError, match="enable_gqa=True"):
+            F.scaled_dot_product_attention(q, k, v)
+        with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
+        with torch.no_grad(), pytest.raises(NotImplementedError, match="dropout"):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
+        with pytest.raises(ValueError, match="attn_mask is not supported"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(9, 9, dtype=torch.bool), enable_gqa=True)
+        with pytest.raises(ValueError, match="local_sdpa"):
+            F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], enable_gqa=True)
+        q3, k3, v3 = _qkv(heads=3, kv_heads=2)
+        with pytest.raises(ValueError, match="not a multiple"):
+            F.scaled_dot_product_attention(q3, k3, v3, enable_gqa=True)
+        with pytest.raises(ValueError, match="leading"):
+            F.scaled_dot_product_attention(q, k[:1], v[:1], enable_gqa=True)
+    with pytest.raises(ValueError, match="ParallelState"):
+        parallel_sdpa("not a state")
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
