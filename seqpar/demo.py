@@ -1,0 +1,238 @@
+"""``python -m seqpar demo``: hybrid attention on local ranks, checked against one device.
+
+The demo spawns ``--world-size`` processes (gloo on CPU; NCCL when there are enough GPUs), runs
+``seqpar.attention`` forward and backward on one long sequence sharded over a ring x Ulysses
+state, and compares every rank's output and input gradients with single-device SDPA in float64.
+The tolerance follows flash-attn's rule: at most twice the error of the same computation on one
+device in the same dtype (with a small floor per dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Smallest tolerance per dtype: the baseline error of a tiny problem can be ~0.
+_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@dataclass
+class _Config:
+    world_size: int
+    ring: int
+    ulysses: int
+    seq_len: int
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    device: str
+    backend: str
+    seed: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to ``parser``."""
+    parser.add_argument("--world-size", type=int, default=4, help="number of local ranks (default 4)")
+    parser.add_argument("--ring", type=int, default=2, help="ring size R (default 2)")
+    parser.add_argument("--ulysses", type=int, default=2, help="Ulysses size U (default 2)")
+    parser.add_argument("--seq-len", type=int, default=3001, help="global sequence length (default 3001)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    parser.add_argument("--heads", type=int, default=9, help="query heads H (default 9)")
+    parser.add_argument("--kv-heads", type=int, default=3, help="key/value heads Hkv, dividing H (default 3)")
+    parser.add_argument("--head-dim", type=int, default=32, help="head dim D (default 32)")
+    parser.add_argument("--causal", action="store_true", help="causal attention")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype (default float32)")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="auto: CUDA + NCCL when there are >= world-size GPUs, else CPU + gloo",
+    )
+    parser.add_argument("--backend", default="auto", help="seqpar attention backend (default auto)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _inputs(cfg: _Config, dp_rank: int) -> tuple[torch.Tensor, ...]:
+    """Full q, k, v, dout ``[B, S, H(kv), D]`` in float64 (identical on every rank of a replica)."""
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + dp_rank)
+    shape_q = (cfg.batch, cfg.seq_len, cfg.heads, cfg.head_dim)
+    shape_kv = (cfg.batch, cfg.seq_len, cfg.kv_heads, cfg.head_dim)
+    return tuple(
+        torch.randn(shape, generator=g, dtype=torch.float64) for shape in (shape_q, shape_kv, shape_kv, shape_q)
+    )
+
+
+def _peak_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
+    import torch.distributed as dist
+
+    import seqpar
+
+    device = torch.device(f"cuda:{rank}") if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
+    store = dist.FileStore(os.path.join(store_dir, "store"), cfg.world_size)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=cfg.world_size,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        state = seqpar.ParallelState(cfg.ring, cfg.ulysses)
+        dtype = _DTYPES[cfg.dtype]
+        q, k, v, dout = (seqpar.shard(t, state).to(device, dtype) for t in _inputs(cfg, state.dp_rank))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier(group=state.cp_group)
+
+        sync()
+        t0 = time.perf_counter()
+        out = seqpar.attention(q, k, v, state, causal=cfg.causal, backend=cfg.backend, seq_len=cfg.seq_len)
+        sync()
+        t1 = time.perf_counter()
+        out.backward(dout)
+        sync()
+        t2 = time.perf_counter()
+        result = {
+            "rank": rank, "dp": state.dp_rank, "cp": state.cp_rank, "ring": state.ring_rank,
+            "ulysses": state.ulysses_rank, "tokens": q.shape[1], "fwd_ms": 1e3 * (t1 - t0),
+            "bwd_ms": 1e3 * (t2 - t1), "mem_mib": _peak_mib(device),
+            "out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu(),
+        }
+        torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(cfg: _Config, dp_rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Single-device SDPA forward/backward of a replica's sequence in ``dtype``, bshd results."""
+    import torch.nn.functional as F
+
+    q, k, v, dout = (t.to(dtype) for t in _inputs(cfg, dp_rank))
+    q, k, v = (t.transpose(1, 2).requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal, enable_gqa=cfg.kv_heads != cfg.heads)
+    out.backward(dout.transpose(1, 2))
+    return {name: t.transpose(1, 2).detach() for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+
+
+def _check(args: argparse.Namespace) -> _Config:
+    def fail(msg: str):
+        raise SystemExit(f"seqpar demo: {msg}")
+
+    for name in ("world_size", "ring", "ulysses", "seq_len", "batch", "heads", "kv_heads", "head_dim"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.world_size % (args.ring * args.ulysses) != 0:
+        fail(
+            f"--ring {args.ring} x --ulysses {args.ulysses} = {args.ring * args.ulysses} must divide "
+            f"--world-size {args.world_size}"
+        )
+    if args.heads % args.kv_heads != 0:
+        fail(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < args.world_size:
+        fail(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+    return _Config(
+        args.world_size, args.ring, args.ulysses, args.seq_len, args.batch, args.heads, args.kv_heads,
+        args.head_dim, bool(args.causal), args.dtype, device, args.backend, args.seed,
+    )
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; print the table and the verification line. Returns the exit code (0 = OK)."""
+    import torch.multiprocessing as mp
+
+    import seqpar
+
+    cfg = _check(args)
+    dtype = _DTYPES[cfg.dtype]
+    print(
+        f"seqpar demo: {cfg.world_size} ranks ({'nccl' if cfg.device == 'cuda' else 'gloo'}, {cfg.device}), "
+        f"ring {cfg.ring} x ulysses {cfg.ulysses} (dp {cfg.world_size // (cfg.ring * cfg.ulysses)}), "
+        f"B={cfg.batch} S={cfg.seq_len} H={cfg.heads} Hkv={cfg.kv_heads} D={cfg.head_dim}, {cfg.dtype}, "
+        f"{'causal' if cfg.causal else 'non-causal'}",
+        flush=True,
+    )
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="seqpar-demo-") as tmp:
+        mp.start_processes(_rank_main, args=(cfg, tmp), nprocs=cfg.world_size, start_method="spawn", join=True)
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cfg.world_size)]
+    spawn_s = time.perf_counter() - start
+
+    exact: dict[int, dict[str, torch.Tensor]] = {}
+    same: dict[int, dict[str, torch.Tensor]] = {}
+    for dp in sorted({r["dp"] for r in results}):
+        exact[dp] = _reference(cfg, dp, torch.float64)
+        same[dp] = _reference(cfg, dp, dtype)
+    base_out = max(_max_err(same[dp]["out"], exact[dp]["out"]) for dp in exact)
+    base_grad = max(_max_err(same[dp][g], exact[dp][g]) for dp in exact for g in ("dq", "dk", "dv"))
+    tol_out = max(2 * base_out, _FLOOR[dtype])
+    tol_grad = max(2 * base_grad, _FLOOR[dtype])
+
+    positions = seqpar.layout.dense_positions
+    header = f"{'rank':>4} {'dp':>3} {'ring':>4} {'uly':>4} {'tokens':>7} {'fwd ms':>9} {'bwd ms':>9} " \
+             f"{'peak MiB':>9} {'|out err|':>10} {'|grad err|':>10}"
+    print(header)
+    print("-" * len(header))
+    worst_out = worst_grad = 0.0
+    for r in results:
+        idx = positions(cfg.seq_len, cfg.ring, r["ring"], cfg.ulysses, r["ulysses"])
+        ref = exact[r["dp"]]
+        e_out = _max_err(r["out"], ref["out"][:, idx])
+        e_grad = max(_max_err(r[g], ref[g][:, idx]) for g in ("dq", "dk", "dv"))
+        worst_out, worst_grad = max(worst_out, e_out), max(worst_grad, e_grad)
+        print(
+            f"{r['rank']:>4} {r['dp']:>3} {r['ring']:>4} {r['ulysses']:>4} {r['tokens']:>7} "
+            f"{r['fwd_ms']:>9.1f} {r['bwd_ms']:>9.1f} {r['mem_mib']:>9.0f} {e_out:>10.2e} {e_grad:>10.2e}"
+        )
+    mem_kind = "peak allocated (CUDA)" if cfg.device == "cuda" else "peak RSS of the process"
+    print(
+        f"memory: {mem_kind}; single-device {cfg.dtype} error vs float64: out {base_out:.2e}, grad "
+        f"{base_grad:.2e}; tolerance out {tol_out:.1e}, grad {tol_grad:.1e}; wall {spawn_s:.1f}s"
+    )
+    ok = worst_out <= tol_out and worst_grad <= tol_grad
+    verdict = "OK" if ok else "FAILED"
+    print(
+        f"demo: {verdict} — max |out err| {worst_out:.2e} (tol {tol_out:.1e}), max |grad err| "
+        f"{worst_grad:.2e} (tol {tol_grad:.1e}) vs single-device float64 SDPA",
+        flush=True,
+    )
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m seqpar.demo``."""
+    parser = argparse.ArgumentParser(prog="seqpar demo", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""``python -m seqpar demo`` runs, verifies and reports."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _seqpar(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "seqpar", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_lists_commands():
+    proc = _seqpar("--help")
+    assert proc.returncode == 0
+    assert "demo" in proc.stdout and "info" in proc.stdout
+
+
+def test_demo_default_passes():
+    proc = _seqpar("demo")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("demo: OK — max |out err|"), proc.stdout
+    assert "ring 2 x ulysses 2" in lines[0] and "S=3001" in lines[0]
+    assert sum(line.strip().split()[0] in "0123" for line in lines if line[:4].strip().isdigit()) == 4
+
+
+def test_demo_causal_ring_only_bf16():
+    proc = _seqpar("demo", "--ring", "4", "--ulysses", "1", "--seq-len", "777", "--heads", "5",
+                   "--kv-heads", "1", "--causal", "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "causal" in proc.stdout.splitlines()[0]
+    assert proc.stdout.splitlines()[-1].startswith("demo: OK")
+
+
+def test_demo_rejects_bad_degrees():
+    proc = _seqpar("demo", "--ring", "3", "--ulysses", "1")
+    assert proc.returncode != 0
+    assert "must divide --world-size 4" in proc.stderr
