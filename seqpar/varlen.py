@@ -30,7 +30,7 @@ from torch import Tensor
 from .backends import AttentionBackend, get_backend
 from .comm import group_size
 from .comm._group import Group, exchange_ints
-from .layout import check_seq_lens, packed_shard_lengths
+from .layout import check_seq_lens
 from .merge import accumulator_dtype, merge_
 from .ring_engine import ring_backward, ring_forward
 from .state import ParallelState
@@ -42,6 +42,7 @@ from .varlen_layout import (
     local_seq_lens,
     ring_local_lengths,
     ring_varlen_blocks,
+    shard_token_counts,
     varlen_work,
 )
 
@@ -85,8 +86,13 @@ class _RingPlan:
         blocks = ring_varlen_blocks(seq_lens, ring_size, ring_rank, causal)
         # All cu_seqlens in one host tensor, one copy to the device, then views.
         segs = [s for b in blocks if b is not None for s in (b.seg_q, b.seg_k)]
-        host = torch.cat([torch.cat([s.new_zeros(1), s.cumsum(0)]) for s in segs]) if segs else None
-        flat = host.to(device=device, dtype=torch.int32) if host is not None else None
+        flat = None
+        if segs:
+            host = torch.cat([torch.cat([s.new_zeros(1), s.cumsum(0)]) for s in segs]).int()
+            if device.type == "cuda":  # pinned + non_blocking: no wait for the queued kernels
+                flat = host.pin_memory().to(device, non_blocking=True)
+            else:
+                flat = host.to(device)
         views = list(flat.split([s.numel() + 1 for s in segs])) if flat is not None else []
         out: list[_Block | None] = []
         for b in blocks:
@@ -146,7 +152,6 @@ def _forward(
     *,
     scale: float,
     backend: AttentionBackend,
-    trace: list | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Packed ring attention forward on ring-local buffers.
 
@@ -155,7 +160,6 @@ def _forward(
         k, v: ``[L_r, Hkv, D]``.
         group: the ring group; ``plan``: from :meth:`_RingPlan.build` for this ring rank.
         scale, backend: softmax scale and kernel.
-        trace: event list for tests (Note [Ring engine]).
 
     Returns:
         ``out`` ``[L_r, H, D]`` in q's dtype and ``lse`` ``[H, L_r]`` in ``accumulator_dtype``.
@@ -165,24 +169,27 @@ def _forward(
         return _empty_result(q, v) if blk is None else _block_forward(backend, q, k, v, blk, scale)
 
     acc_dtype = accumulator_dtype(q.dtype)
-    acc: dict[str, Tensor] = {}  # the first block is kept as computed; later ones merge into it
+    # The first block's result is kept as computed (no zero-filled accumulator, no conversion if
+    # it is the only one); the next block converts it to the accumulator dtype and merges.
+    out_acc: Tensor | None = None
+    lse_acc: Tensor | None = None
 
     def forward_step(src: int, kv: Sequence[Tensor]) -> None:
+        nonlocal out_acc, lse_acc
         blk = plan.blocks[src]
         if blk is None:
             return
         out_b, lse_b = _block_forward(backend, q, kv[0], kv[1], blk, scale)
-        if not acc:
-            acc["out"], acc["lse"] = out_b, lse_b
+        if out_acc is None:
+            out_acc, lse_acc = out_b, lse_b
             return
-        if acc["out"].dtype != acc_dtype:
-            acc["out"], acc["lse"] = acc["out"].to(acc_dtype), acc["lse"].to(acc_dtype)
-        merge_(acc["out"], acc["lse"], out_b, lse_b)
+        out_acc, lse_acc = out_acc.to(acc_dtype), lse_acc.to(acc_dtype)  # no-ops after the first
+        merge_(out_acc, lse_acc, out_b, lse_b)
 
-    ring_forward(group, [k, v], lambda src: plan.kv_shapes(src, k, v), forward_step, trace=trace)
-    if not acc:
+    ring_forward(group, [k, v], lambda src: plan.kv_shapes(src, k, v), forward_step)
+    if out_acc is None:
         return _empty_result(q, v)
-    return acc["out"].to(q.dtype), acc["lse"]
+    return out_acc.to(q.dtype), lse_acc
 
 
 def _backward(
@@ -197,13 +204,12 @@ def _backward(
     *,
     scale: float,
     backend: AttentionBackend,
-    trace: list | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Packed ring attention backward: the forward's steps in the same order, dK/dV sent home.
 
     Args:
         dout, out: ``[L_r, H, D]``; ``lse``: ``[H, L_r]`` (the merged forward results).
-        q, k, v, group, plan, scale, backend, trace: as in :func:`_forward`.
+        q, k, v, group, plan, scale, backend: as in :func:`_forward`.
 
     Returns:
         ``dq, dk, dv`` shaped and typed like ``q, k, v``; dk/dv of this rank's own K/V summed
@@ -216,24 +222,23 @@ def _backward(
         return _block_backward(backend, dout, q, k, v, out, lse, blk, scale)
 
     acc_dtype = accumulator_dtype(q.dtype)
-    dq_acc: list[Tensor] = []  # the first step's dQ (in the accumulator dtype) collects the rest
+    dq_acc: Tensor | None = None  # the first step's dQ, in the accumulator dtype, collects the rest
 
     def backward_step(src: int, kv: Sequence[Tensor], dkv: Sequence[Tensor]) -> None:
+        nonlocal dq_acc
         blk = plan.blocks[src]
         if blk is None:
             return
         dq_b, dk_b, dv_b = _block_backward(backend, dout, q, kv[0], kv[1], out, lse, blk, scale)
-        if dq_acc:
-            dq_acc[0].add_(dq_b)
+        if dq_acc is None:
+            dq_acc = dq_b.to(acc_dtype)
         else:
-            dq_acc.append(dq_b.to(acc_dtype))
+            dq_acc.add_(dq_b)
         dkv[0].add_(dk_b)
         dkv[1].add_(dv_b)
 
-    dk, dv = ring_backward(
-        group, [k, v], lambda src: plan.kv_shapes(src, k, v), backward_step, trace=trace
-    )
-    dq = dq_acc[0].to(q.dtype) if dq_acc else torch.zeros_like(q)
+    dk, dv = ring_backward(group, [k, v], lambda src: plan.kv_shapes(src, k, v), backward_step)
+    dq = torch.zeros_like(q) if dq_acc is None else dq_acc.to(q.dtype)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -298,28 +303,31 @@ def _check_lengths(
 ) -> None:
     """Every CP rank's local token counts against the placement of ``seq_lens``.
 
-    The counts are exchanged over the CP group (one all-gather of three ints) so that a wrong
-    ``seq_lens`` -- which may agree with the local length of some ranks -- raises the same
+    The counts (and ``H, Hkv, D``) are exchanged over the CP group -- one all-gather of six ints;
+    on CUDA its result is read on the host, one synchronisation per call -- so that a wrong
+    ``seq_lens``, which may agree with the local length of some ranks, raises the same
     ``ValueError`` on every rank instead of leaving the others waiting in a collective.
     """
     R, U = state.ring_size, state.ulysses_size
-    want = packed_shard_lengths(seq_lens, R, U)
-    mine = [q.shape[0], k.shape[0], v.shape[0]]
-    if state.cp_size == 1:
-        got = [mine]
-    else:
-        got = exchange_ints(mine, state.cp_group, q.device)
-    bad = [c for c, (tq, tk, tv) in enumerate(got) if not tq == tk == tv == want[c]]
+    want = shard_token_counts(seq_lens, (R, U))
+    mine = [q.shape[0], k.shape[0], v.shape[0], q.shape[1], k.shape[1], q.shape[2]]
+    rows = [mine] if state.cp_size == 1 else exchange_ints(mine, state.cp_group, q.device)
+    dims = [row[3:] for row in rows]
+    if any(d != dims[0] for d in dims):
+        raise ValueError(
+            f"varlen_attention: the CP ranks disagree on (H, Hkv, D): {dims} (cp_rank order); "
+            "every rank must pass shards of the same tensors"
+        )
+    bad = [c for c, (tq, tk, tv, *_) in enumerate(rows) if not tq == tk == tv == want[c]]
     if bad:
-        total = sum(seq_lens)
-        held = [row[0] for row in got]
+        held = [row[0] for row in rows]
         c = bad[0]
         raise ValueError(
-            f"varlen_attention: seq_lens (sum {total}, {len(seq_lens)} sequences) place "
+            f"varlen_attention: seq_lens (sum {sum(seq_lens)}, {len(seq_lens)} sequences) place "
             f"{want[c]} tokens on cp rank {c} of ring {R} x ulysses {U} (placement {want}), but "
-            f"it holds q/k/v with {got[c]} tokens (q tokens per cp rank: {held}, global total "
-            f"{sum(held)}); pass the global seq_lens of the packed batch and shard q, k, v with "
-            "seqpar.shard_packed"
+            f"it holds q/k/v with {rows[c][:3]} tokens (q tokens per cp rank: {held}, global "
+            f"total {sum(held)}); pass the global seq_lens of the packed batch and shard q, k, v "
+            "with seqpar.shard_packed"
         )
 
 
@@ -352,7 +360,11 @@ def varlen_attention(
     split contiguously over Ulysses ranks. The Ulysses all-to-all regroups heads (``H``, ``Hkv``
     need not divide ``U``), then K/V travel around the ring with one varlen kernel call per step
     (Note [Varlen ring blocks]). Collective over ``state.cp_group``: every CP rank must call it
-    with the same ``seq_lens``, ``causal`` and head counts.
+    with the same ``seq_lens``, ``causal`` and head counts. Besides the attention's own traffic it
+    exchanges six ints over the CP group to validate the shapes on every rank (on CUDA, one host
+    synchronisation per call); the per-step ``cu_seqlens`` are built on the host from
+    ``seq_lens`` once per call (vectorised over sequences) and copied to the device in one
+    transfer.
 
     Args:
         q: ``(T_local, nheads, headdim)``, this rank's packed tokens (``shard_packed``, dim 0).
@@ -373,8 +385,9 @@ def varlen_attention(
     Raises:
         ValueError: non-3-dim tensors, mismatched dtypes/devices/head dims, ``nheads`` not a
             multiple of ``nheads_kv``, negative or non-int lengths, ``seq_lens`` that do not
-            place exactly each CP rank's token count there (e.g. a wrong total; raised on every
-            CP rank), a bad scale or backend.
+            place exactly each CP rank's token count there (e.g. a wrong total) or CP ranks
+            that disagree on ``(H, Hkv, D)`` (both raised on every CP rank), a non-bool
+            ``causal``, a bad scale or backend.
     """
     where = "varlen_attention"
     _check_tensors(q, k, v)
@@ -384,6 +397,8 @@ def varlen_attention(
         lens = check_seq_lens(seq_lens)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    if not isinstance(causal, bool):
+        raise ValueError(f"{where}: causal must be True or False, got {causal!r}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -394,10 +409,12 @@ def varlen_attention(
         raise ValueError(
             f"{where}: backend must be a name or an AttentionBackend, got {type(backend).__name__}"
         )
+    # Host-side planning first, so that it overlaps kernels still queued on an accelerator; the
+    # length check's collective then reads its result on the host.
+    plan = _RingPlan.build(lens, state.ring_size, state.ring_rank, causal, q.device)
     _check_lengths(q, k, v, state, lens)
 
     group = state.ring_group
-    plan = _RingPlan.build(lens, state.ring_size, state.ring_rank, bool(causal), q.device)
     scale = float(softmax_scale)
 
     def ring(q_r: Tensor, k_r: Tensor, v_r: Tensor) -> Tensor:

@@ -57,6 +57,7 @@ from .state import ParallelState
 __all__ = [
     "zigzag_pieces",
     "ring_local_lengths",
+    "shard_token_counts",
     "local_seq_lens",
     "local_cu_seqlens",
     "local_positions",
@@ -162,6 +163,19 @@ def ring_local_lengths(seq_lens: Sequence[int] | torch.Tensor, ring_size: int) -
     """
     first, second = zigzag_pieces(seq_lens, ring_size)
     return (first + second).sum(1).tolist()
+
+
+def shard_token_counts(seq_lens: Sequence[int] | torch.Tensor, sizes: Sizes) -> list[int]:
+    """Local token count of every CP rank, indexed by ``cp_rank``.
+
+    The same numbers as ``layout.packed_shard_lengths``, computed without a Python loop over
+    sequences (it runs on every call of ``varlen_attention``).
+
+    Raises:
+        ValueError: bad lengths or sizes.
+    """
+    R, U = _sizes(sizes, "shard_token_counts")
+    return [n for ring_len in ring_local_lengths(seq_lens, R) for n in split_sizes(ring_len, U)]
 
 
 def _local_window(lens: torch.Tensor, R: int, r: int, U: int, u: int):

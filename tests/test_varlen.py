@@ -28,6 +28,7 @@ from seqpar.varlen_layout import (
     local_seq_lens,
     ring_local_lengths,
     ring_varlen_blocks,
+    shard_token_counts,
     varlen_work,
     zigzag_pieces,
 )
@@ -76,6 +77,7 @@ def test_local_helpers_match_shard_packed(R, U):
             assert cu.dtype == torch.int32 and cu.tolist() == layout.offsets(counts)
             assert max_len == max(counts, default=0)
         per_ring = layout.packed_shard_lengths(lens, R, U)
+        assert shard_token_counts(lens, (R, U)) == per_ring
         assert ring_local_lengths(lens, R) == [sum(per_ring[r * U:(r + 1) * U]) for r in range(R)]
 
 
@@ -391,6 +393,8 @@ def test_errors_single_process():
         seqpar.varlen_attention(q, torch.randn(10, 3, 8), torch.randn(10, 3, 8), state, [10])
     with pytest.raises(ValueError, match=r"softmax_scale must be a float or None"):
         seqpar.varlen_attention(q, k, k, state, [10], softmax_scale="x")
+    with pytest.raises(ValueError, match=r"causal must be True or False, got 1"):
+        seqpar.varlen_attention(q, k, k, state, [10], causal=1)
 
 
 def _bad_input_cases(R: int, U: int) -> list[str]:
@@ -408,6 +412,9 @@ def _bad_input_cases(R: int, U: int) -> list[str]:
     short = local[:-1] if state.cp_rank == R * U - 1 else local
     with pytest.raises(ValueError, match=rf"cp rank {R * U - 1} of ring {R} x ulysses {U}"):
         seqpar.varlen_attention(short, short, short, state, lens)
+    wide = torch.randn(local.shape[0], 2, 8) if state.cp_rank == 0 else local
+    with pytest.raises(ValueError, match=r"disagree on \(H, Hkv, D\): \[\[2, 2, 8\], \[2, 2, 4\]\]"):
+        seqpar.varlen_attention(wide, wide, wide, state, lens)
     return msgs
 
 
