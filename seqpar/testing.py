@@ -109,10 +109,10 @@ class DistPool:
             (results if ok else errors)[rank] = value
         if errors:
             self.close()
-            first = min(errors)
-            raise DistributedError(
-                f"{fn.__name__} failed on ranks {sorted(errors)} of {self.world_size}; rank {first}:\n{errors[first]}"
-            )
+            # A rank that failed on its own is the cause; "closed by peer" errors are its echo.
+            own = [r for r in sorted(errors) if "closed by peer" not in errors[r]] or sorted(errors)
+            report = "\n".join(f"--- rank {r}:\n{errors[r]}" for r in own[:2])
+            raise DistributedError(f"{fn.__name__} failed on ranks {sorted(errors)} of {self.world_size}\n{report}")
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
@@ -122,11 +122,15 @@ class DistPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        # Interpreter teardown of a torch process takes seconds; the ranks hold nothing worth
+        # a clean exit, so give them a moment and then stop them.
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=0.5)
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
-                p.join()
+        for p in self._procs:
+            p.join()
         self._procs = []
         if hasattr(self, "_tmp"):
             self._tmp.cleanup()

@@ -1,0 +1,260 @@
+"""seqpar.comm: bit-exact forward and backward against single-process references."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from seqpar.comm import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_many,
+    copy_to,
+    gather,
+    reduce_scatter,
+    split,
+    split_sizes,
+)
+
+WORLD_SIZES = [1, 2, 3, 4, 8]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def _part(full: torch.Tensor, dim: int, sizes: list[int], i: int) -> torch.Tensor:
+    return full.narrow(dim, sum(sizes[:i]), sizes[i])
+
+
+def _global(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _size_variants(n: int) -> list[tuple[str, int, int]]:
+    """(label, scatter size, gather size): aligned, unaligned on one side, both, < world."""
+    return [
+        ("aligned", 2 * n, 3 * n),
+        ("scatter-unaligned", 2 * n + 1, n),
+        ("gather-unaligned", n, 2 * n + 1),
+        ("both-unaligned", 3 * n - 1 if n > 1 else 2, n + 1 if n > 1 else 3),
+        ("smaller-than-world", max(n - 1, 1), max(n - 2, 1)),
+    ]
+
+
+def _check_a2a_case(ndim, sd, gd, dtype, s_size, g_size, with_gather_size, seed):
+    n, r = dist.get_world_size(), dist.get_rank()
+    shape = [2 if d % 2 else 3 for d in range(ndim)]
+    shape[sd], shape[gd] = s_size, g_size
+    full = _global(shape, dtype, seed)
+    w = _global(shape, dtype, seed + 1)
+    gs, ss = split_sizes(g_size, n), split_sizes(s_size, n)
+    x = _part(full, gd, gs, r).clone().requires_grad_()
+    y = all_to_all(x, None, sd, gd, gather_size=g_size if with_gather_size else None)
+    want = _part(full, sd, ss, r)
+    assert y.shape == want.shape and torch.equal(y, want), "forward"
+    (y * _part(w, sd, ss, r)).sum().backward()
+    assert torch.equal(x.grad, _part(w, gd, gs, r)), "backward"
+    # Round trip back to the original layout.
+    z = all_to_all(y.detach(), None, gd, sd, gather_size=s_size)
+    assert torch.equal(z, x.detach()), "round trip"
+
+
+def _all_to_all_cases(dtypes):
+    n = dist.get_world_size()
+    count = 0
+    for ndim in range(2, 6):
+        for sd, gd in itertools.permutations(range(ndim), 2):
+            for dtype in dtypes:
+                for label, s_size, g_size in _size_variants(n):
+                    for with_gs in (True, False) if label == "both-unaligned" else (True,):
+                        try:
+                            _check_a2a_case(ndim, sd, gd, dtype, s_size, g_size, with_gs, count)
+                        except AssertionError as e:
+                            raise AssertionError(
+                                f"all_to_all ndim={ndim} scatter={sd} gather={gd} {dtype} {label} "
+                                f"({s_size}, {g_size}) gather_size={with_gs}: {e}"
+                            ) from None
+                        count += 1
+    return count
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_all_to_all_bit_exact(pools, world):
+    dtypes = DTYPES if world <= 4 else [torch.float32, torch.bfloat16]
+    counts = pools(world).run(_all_to_all_cases, dtypes)
+    assert counts[0] > 100
+
+
+def _fused_cases():
+    """all_to_all_many with GQA-style overlapping head ranges vs separate references."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    for H, Hkv, S in [(6, 2, 7), (8, 2, 5), (3, 1, 4), (4, 4, 9), (5, 1, 2)]:
+        q_full = _global((2, S, H, 3), torch.float64, H)
+        k_full = _global((2, S, Hkv, 3), torch.float64, H + 1)
+        wq = _global((2, S, H, 3), torch.float64, H + 2)
+        wk = _global((2, S, Hkv, 3), torch.float64, H + 3)
+        ss = split_sizes(S, n)
+        hs = split_sizes(H, n)
+        group = H // Hkv
+        q_ranges, k_ranges = [], []
+        for j in range(n):
+            a = sum(hs[:j])
+            q_ranges.append((a, hs[j]))
+            if hs[j] == 0:
+                k_ranges.append((0, 0))
+            else:
+                lo, hi = a // group, (a + hs[j] - 1) // group + 1
+                k_ranges.append((lo, hi - lo))
+        q = _part(q_full, 1, ss, r).clone().requires_grad_()
+        k = _part(k_full, 1, ss, r).clone().requires_grad_()
+        qo, ko = all_to_all_many([q, k], None, 2, 1, gather_size=S, scatter_ranges=[q_ranges, k_ranges])
+        qa, qn = q_ranges[r]
+        ka, kn = k_ranges[r]
+        assert torch.equal(qo, q_full[:, :, qa : qa + qn]), (H, Hkv, S, "q")
+        assert torch.equal(ko, k_full[:, :, ka : ka + kn]), (H, Hkv, S, "k")
+        ((qo * wq[:, :, qa : qa + qn]).sum() + (ko * wk[:, :, ka : ka + kn]).sum()).backward()
+        # Gradient of k: each rank that received kv head h contributes wk at h (summed over ranks).
+        assert torch.equal(q.grad, _part(wq, 1, ss, r)), (H, Hkv, S, "dq")
+        mult = torch.zeros(Hkv, dtype=torch.float64)
+        for a, m in k_ranges:
+            mult[a : a + m] += 1
+        want_dk = _part(wk, 1, ss, r) * mult.view(1, 1, Hkv, 1)
+        assert torch.allclose(k.grad, want_dk, rtol=0, atol=1e-12), (H, Hkv, S, "dk")
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_all_to_all_many_overlapping_ranges(pools, world):
+    assert all(pools(world).run(_fused_cases))
+
+
+def _split_gather_cases():
+    n, r = dist.get_world_size(), dist.get_rank()
+    for dtype in DTYPES:
+        for length in [1, n - 1, n, 2 * n + 1, 5 * n + 3]:
+            if length < 1:
+                continue
+            for dim, shape in [(0, (length, 3)), (1, (2, length, 3)), (2, (2, 3, length)), (-1, (3, length))]:
+                full = _global(shape, dtype, length)
+                w = _global(shape, dtype, length + 7)
+                d = dim % len(shape)
+                sizes = split_sizes(length, n)
+                mine = _part(full, d, sizes, r)
+                for scale, scaled in [(None, lambda t: t), ("up", lambda t: t * n), ("down", lambda t: t / n)]:
+                    # split: forward keeps own part, backward gathers.
+                    x = full.clone().requires_grad_()
+                    y = split(x, None, dim, grad_scale=scale)
+                    assert torch.equal(y, mine), ("split", dtype, length, dim)
+                    (y * _part(w, d, sizes, r)).sum().backward()
+                    assert torch.equal(x.grad, scaled(w)), ("split bwd", dtype, length, dim, scale)
+                    # gather: forward all-gathers, backward keeps own part.
+                    x = mine.clone().requires_grad_()
+                    y = gather(x, None, dim, sizes=sizes if scale else None, grad_scale=scale)
+                    assert torch.equal(y, full), ("gather", dtype, length, dim)
+                    (y * w).sum().backward()
+                    assert torch.equal(x.grad, scaled(_part(w, d, sizes, r))), ("gather bwd", scale)
+                # all_gather: backward reduce-scatters per-rank partial gradients.
+                x = mine.clone().requires_grad_()
+                y = all_gather(x, None, dim)
+                assert torch.equal(y, full)
+                # Small integers: sums are exact in every dtype and any reduction order.
+                def partial(i):
+                    return torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(100 + i)).to(dtype)
+
+                (y * partial(r)).sum().backward()
+                total = sum(partial(i) for i in range(n))
+                assert torch.equal(x.grad, _part(total, d, sizes, r)), ("all_gather bwd", dtype, length, dim)
+    # reduce_scatter / all_reduce / copy_to in float64 (sums are exact for small integers).
+    for length in [1, n + 1, 3 * n]:
+        sizes = split_sizes(length, n)
+        xr = torch.arange(length * 2, dtype=torch.float64).view(length, 2) * (r + 1)
+        x = xr.clone().requires_grad_()
+        y = reduce_scatter(x, None, 0)
+        total = torch.arange(length * 2, dtype=torch.float64).view(length, 2) * (n * (n + 1) / 2)
+        assert torch.equal(y, _part(total, 0, sizes, r)), ("reduce_scatter", length)
+        w = torch.full((length, 2), 3.0, dtype=torch.float64)
+        (y * _part(w, 0, sizes, r)).sum().backward()
+        assert torch.equal(x.grad, w), "reduce_scatter bwd"
+        x = xr.clone().requires_grad_()
+        y = all_reduce(x, None)
+        assert torch.equal(y, total)
+        y.sum().backward()
+        assert torch.equal(x.grad, torch.ones_like(x)), "all_reduce bwd is identity"
+        x = xr.clone().requires_grad_()
+        y = copy_to(x, None)
+        assert torch.equal(y, xr)
+        (y * (r + 1)).sum().backward()
+        assert torch.equal(x.grad, torch.full_like(xr, n * (n + 1) / 2)), "copy_to bwd all-reduces"
+    return True
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_split_gather_reduce(pools, world):
+    assert all(pools(world).run(_split_gather_cases))
+
+
+def _bad_input_cases():
+    n = dist.get_world_size()
+    x = torch.zeros(2, 3, 4)
+    checks = [
+        (lambda: all_to_all(x, None, 1, 1), r"scatter_dim=1 and gather_dim=1 are the same dim"),
+        (lambda: all_to_all(x, None, 3, 1), r"scatter_dim=3 is out of range for a 3-dim tensor"),
+        (lambda: all_to_all(x, None, 1, -4), r"gather_dim=-4 is out of range"),
+        (lambda: all_to_all(x, "world", 1, 2), r"group must be a torch.distributed ProcessGroup or None, got str"),
+        (lambda: all_to_all(x, None, 1, 2, gather_size=5 * n), rf"gather_size={5 * n} over {n} ranks gives rank \d+ 5 elements"),
+        (lambda: split(x, None, 1, sizes=[1] * n if n != 3 else [2] * n), r"sum to"),
+        (lambda: split(x, None, 1, sizes=[3] + [0] * n), rf"has {n + 1} entries"),
+        (lambda: split(x, None, 1, grad_scale="sideways"), r"grad_scale must be None, 'up' or 'down'"),
+        (lambda: gather(x, None, 0, sizes=[3] * n), r"sizes \[3.*\] give rank \d+ 3 elements but its tensor has 2"),
+        (lambda: reduce_scatter(x, None, 2, sizes=[-1] + [5] + [0] * (n - 2) if n > 1 else [-1]), r"negative"),
+        (lambda: split(3.0, None, 0), r"expected a tensor, got float"),
+    ]
+    for fn, pattern in checks:
+        with pytest.raises(ValueError, match=pattern):
+            fn()
+    # gather_size=None exchanges shapes and rejects disagreement outside the gather dim.
+    r = dist.get_rank()
+    if n > 1:
+        bad = torch.zeros(2, 3 + (r == 1), 4)
+        with pytest.raises(ValueError, match=r"rank 1 has shape \[2, 4, 4\]"):
+            all_to_all(bad, None, 1, 2)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_bad_input(pools, world):
+    assert all(pools(world).run(_bad_input_cases))
+
+
+def _round_trip(shape, sd, gd, dtype_name):
+    n, r = dist.get_world_size(), dist.get_rank()
+    dtype = getattr(torch, dtype_name)
+    full = _global(shape, dtype, sum(shape))
+    gs = split_sizes(shape[gd], n)
+    x = _part(full, gd, gs, r).clone().requires_grad_()
+    y = all_to_all(x, None, sd, gd)
+    assert torch.equal(y, _part(full, sd, split_sizes(shape[sd], n), r))
+    back = all_to_all(y, None, gd, sd, gather_size=shape[sd])
+    assert torch.equal(back, x)
+    back.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    return True
+
+
+@st.composite
+def _a2a_problem(draw):
+    ndim = draw(st.integers(2, 5))
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
+    sd, gd = draw(st.permutations(range(ndim)))[:2]
+    return shape, sd, gd, draw(st.sampled_from(["float32", "float64", "bfloat16"]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=_a2a_problem())
+def test_all_to_all_round_trip_property(pools, world, problem):
+    shape, sd, gd, dtype = problem
+    assert all(pools(world).run(_round_trip, shape, sd, gd, dtype))
