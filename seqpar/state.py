@@ -32,7 +32,9 @@ def _new_group(ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGr
     """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set."""
     if ranks == parent_ranks:
         return parent
-    return dist.new_group(ranks)
+    # Local synchronisation: only the parent's ranks take part, so a state can be built on a
+    # sub-group while the rest of the world does something else.
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 @dataclass(init=False, repr=False, eq=False)

@@ -1,0 +1,74 @@
+"""ParallelState: rank layout, groups and validation."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar import ParallelState
+
+
+def test_size_one_state_without_process_group():
+    assert not dist.is_initialized()
+    s = ParallelState()
+    assert (s.ring_size, s.ulysses_size, s.cp_size, s.dp_size) == (1, 1, 1, 1)
+    assert (s.ring_rank, s.ulysses_rank, s.cp_rank, s.dp_rank) == (0, 0, 0, 0)
+    assert s.cp_group is None and s.ring_group is None
+    with pytest.raises(ValueError, match=r"ring_size=2 x ulysses_size=1 needs 2 ranks, but torch.distributed is not initialised"):
+        ParallelState(ring_size=2)
+    with pytest.raises(ValueError, match=r"ulysses_size must be a positive int, got 0"):
+        ParallelState(ulysses_size=0)
+
+
+def _layout(R, U):
+    s = ParallelState(ring_size=R, ulysses_size=U)
+    g = dist.get_rank()
+    cp = R * U
+    assert (s.dp_rank, s.cp_rank) == (g // cp, g % cp)
+    assert (s.ring_rank, s.ulysses_rank) == (s.cp_rank // U, s.cp_rank % U)
+    assert s.dp_size == dist.get_world_size() // cp and s.cp_size == cp
+    # Each group's members, in group-rank order, follow the layout.
+    def members(pg):
+        return dist.get_process_group_ranks(pg)
+
+    base = s.dp_rank * cp
+    assert members(s.cp_group) == list(range(base, base + cp))
+    assert members(s.ring_group) == [base + r * U + s.ulysses_rank for r in range(R)]
+    assert members(s.ulysses_group) == [base + s.ring_rank * U + u for u in range(U)]
+    assert members(s.dp_group) == [d * cp + s.cp_rank for d in range(s.dp_size)]
+    assert dist.get_rank(s.ring_group) == s.ring_rank and dist.get_rank(s.ulysses_group) == s.ulysses_rank
+    assert dist.get_rank(s.cp_group) == s.cp_rank and dist.get_rank(s.dp_group) == s.dp_rank
+    # The groups work: a sum over each axis sees exactly its members.
+    for pg, size in [(s.ring_group, R), (s.ulysses_group, U), (s.cp_group, cp), (s.dp_group, s.dp_size)]:
+        t = torch.tensor([float(g)])
+        dist.all_reduce(t, group=pg)
+        assert t.item() == sum(members(pg)) and len(members(pg)) == size
+    return repr(s)
+
+
+@pytest.mark.parametrize(
+    "world,R,U",
+    [(1, 1, 1), (2, 2, 1), (2, 1, 2), (4, 2, 2), (4, 1, 2), (8, 2, 2), (8, 2, 4), (8, 4, 2), (8, 1, 1), (3, 3, 1), (3, 1, 1)],
+)
+def test_rank_layout(pools, world, R, U):
+    reprs = pools(world).run(_layout, R, U)
+    assert "ring" in reprs[0]
+
+
+def _errors():
+    n = dist.get_world_size()
+    with pytest.raises(ValueError, match=rf"ring_size=3 x ulysses_size=3 = 9 does not divide the {n} ranks"):
+        ParallelState(ring_size=3, ulysses_size=3)
+    with pytest.raises(ValueError, match=r"group must be a ProcessGroup or None, got int"):
+        ParallelState(group=3)
+    with pytest.raises(ValueError, match=r"ring_size must be a positive int, got 1.5"):
+        ParallelState(ring_size=1.5)
+    # A sub-group as parent: states built on the first half of the ranks only.
+    sub = dist.new_group([0, 1])
+    if dist.get_rank() < 2:
+        s = ParallelState(ring_size=2, group=sub)
+        assert s.cp_size == 2 and s.ring_rank == dist.get_rank()
+    return True
+
+
+def test_errors_and_subgroup(pools):
+    assert all(pools(4).run(_errors))
