@@ -175,8 +175,12 @@ def global_loss(share: Tensor, state: ParallelState) -> Tensor:
     return value
 
 
-def _cp_sum_dp_mean_hook(hook_state: tuple[dist.ProcessGroup, int], bucket: dist.GradBucket):
-    """DDP communication hook: all-reduce (sum) a gradient bucket and divide by ``dp_size``."""
+def _cp_sum_dp_mean_hook(hook_state, bucket):  # no annotations: DDP checks them as objects
+    """DDP communication hook: all-reduce (sum) a gradient bucket and divide by ``dp_size``.
+
+    ``hook_state`` is ``(process group, dp_size)``, ``bucket`` a ``dist.GradBucket``; returns a
+    ``torch.futures.Future`` of the reduced buffer, as DDP requires.
+    """
     group, dp_size = hook_state
     buffer = bucket.buffer()
     if dp_size > 1:
