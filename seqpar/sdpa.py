@@ -28,7 +28,8 @@ What the patch does not reach:
 - attention written as explicit matmuls + softmax (e.g. timm with ``fused_attn=False``);
 - graphs already captured by ``torch.compile`` / ``torch.jit``;
 - activation-checkpoint recomputation that runs outside the context or in another thread (the
-  CUDA autograd engine recomputes on its own thread): pass
+  CUDA autograd engine recomputes on its own thread; non-reentrant checkpointing then raises a
+  ``CheckpointError`` about mismatched metadata): pass
   ``context_fn=lambda: (contextlib.nullcontext(), seqpar.parallel_sdpa(state))`` to
   ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
