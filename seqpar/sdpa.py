@@ -69,8 +69,7 @@ def _stack() -> list[tuple[ParallelState, int | None, str] | None]:
 
 
 def _original_sdpa():
-    original = _PATCH["original"]
-    return original if original is not None else F.scaled_dot_product_attention
+    return _PATCH["original"]
 
 
 def scaled_dot_product_attention(
@@ -203,7 +202,9 @@ def _dispatch(
 def _install() -> None:
     with _LOCK:
         if _PATCH["count"] == 0:
-            _PATCH["original"] = F.scaled_dot_product_attention
+            current = F.scaled_dot_product_attention
+            if current is not _dispatch:  # (a stale _dispatch may have been put back by others)
+                _PATCH["original"] = current
             F.scaled_dot_product_attention = _dispatch
         _PATCH["count"] += 1
 
@@ -211,12 +212,10 @@ def _install() -> None:
 def _uninstall() -> None:
     with _LOCK:
         _PATCH["count"] -= 1
-        if _PATCH["count"] == 0:
-            # Restore only our own patch: if someone patched on top of it, leave theirs (our
-            # ``_dispatch`` forwards to the original when no context is active, so it is harmless).
-            if F.scaled_dot_product_attention is _dispatch:
-                F.scaled_dot_product_attention = _PATCH["original"]
-            _PATCH["original"] = None
+        # Restore only our own patch: if someone patched on top of it, leave theirs. ``_dispatch``
+        # keeps forwarding to the original when no context is active, so a stale copy is harmless.
+        if _PATCH["count"] == 0 and F.scaled_dot_product_attention is _dispatch:
+            F.scaled_dot_product_attention = _PATCH["original"]
 
 
 @contextlib.contextmanager

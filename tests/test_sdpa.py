@@ -242,6 +242,24 @@ def test_patch_restored_on_exception():
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
 
 
+def test_someone_else_patching_on_top():
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    with parallel_sdpa(ParallelState()):
+        ours = F.scaled_dot_product_attention
+        theirs = lambda *a, **k: ours(*a, **k)  # noqa: E731 - another library's patch
+        F.scaled_dot_product_attention = theirs
+    assert F.scaled_dot_product_attention is theirs  # not clobbered on exit
+    F.scaled_dot_product_attention = ours  # they restore what they found: our stale dispatcher
+    try:
+        mask = torch.zeros(5, 5, dtype=torch.float64)
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, attn_mask=mask), ORIGINAL_SDPA(q, q, q))
+        with parallel_sdpa(ParallelState()):
+            pass
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    finally:
+        F.scaled_dot_product_attention = ORIGINAL_SDPA
+
+
 def test_other_threads_untouched():
     q, k, v = _qkv()
     mask = torch.zeros(9, 9, dtype=torch.float64)
