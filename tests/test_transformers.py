@@ -73,6 +73,32 @@ def test_llama_matches_single_device(pools, ring, ulysses):
             assert r["loss"] < 1e-5, r
 
 
+def _bert_case(ring, ulysses):
+    """A bidirectional encoder (module.is_causal False) in eval mode."""
+    from transformers import BertConfig, BertModel
+
+    state = ParallelState(ring, ulysses)
+
+    def cfg():
+        return BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64)
+
+    torch.manual_seed(0)
+    ref = BertModel._from_config(cfg(), attn_implementation="sdpa").eval()
+    model = BertModel._from_config(cfg(), attn_implementation=register(state, name="seqpar-test-bert")).eval()
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 50, (2, 23), generator=torch.Generator().manual_seed(1))
+    want = ref(input_ids=ids).last_hidden_state
+    local = shard(ids, state)
+    got = model(input_ids=local, position_ids=shard_positions(23, state)[None],
+                token_type_ids=torch.zeros_like(local)).last_hidden_state
+    return (got - shard(want, state)).abs().max().item()
+
+
+def test_bidirectional_encoder_matches(pools):
+    assert max(pools(4).run(_bert_case, 2, 2)) < 2e-5
+
+
 def _missing_positions(ring, ulysses):
     from seqpar.integrations.transformers import _check_positions
 
