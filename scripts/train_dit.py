@@ -36,10 +36,14 @@ from seqpar.training import global_loss, sharded_mean, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ring", type=int, default=2, help="ring size R")
     p.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
-    p.add_argument("--grid", type=int, nargs=3, default=(13, 9, 15), metavar=("T", "H", "W"), help="token grid")
+    p.add_argument(
+        "--grid", type=int, nargs=3, default=(13, 9, 15), metavar=("T", "H", "W"), help="token grid"
+    )
     p.add_argument("--channels", type=int, default=4, help="latent channels")
     p.add_argument("--batch", type=int, default=1, help="clips per step and DP replica")
     p.add_argument("--steps", type=int, default=30)
@@ -50,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare the first steps with one device")
     p.add_argument("--check-steps", type=int, default=5)
-    p.add_argument("--tol", type=float, default=1e-4, help="max relative difference of loss and gradient norm in --check")
+    p.add_argument(
+        "--tol", type=float, default=1e-4, help="max relative difference of loss and gradient norm in --check"
+    )
     p.add_argument("--plot", default=None, help="save the loss curve to this image path")
     return p.parse_args(argv)
 
@@ -58,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 PATCH = (1, 2, 2)
 
 
-def make_batch(args: argparse.Namespace, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_batch(
+    args: argparse.Namespace, step: int, replica: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_t tokens, t, velocity tokens)``: ``[B, S, P]``, ``[B]``, ``[B, S, P]`` (same on a replica)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + replica)
     gt, gh, gw = args.grid
@@ -85,13 +93,20 @@ def make_batch(args: argparse.Namespace, step: int, replica: int) -> tuple[torch
 def new_model(args: argparse.Namespace, device: torch.device) -> VideoDiT:
     torch.manual_seed(args.seed)
     return VideoDiT(
-        in_channels=args.channels, patch=PATCH, grid=tuple(args.grid), dim=args.dim, depth=args.depth, heads=args.heads
+        in_channels=args.channels,
+        patch=PATCH,
+        grid=tuple(args.grid),
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
     ).to(device)
 
 
 def grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of all parameter gradients (sensitive to the gradient scale, unlike Adam's steps)."""
-    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
+    return torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+    ).item()
 
 
 def reference_losses(
@@ -165,7 +180,9 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     num_tokens = args.grid[0] * args.grid[1] * args.grid[2]
     positions = seqpar.shard_positions(num_tokens, state, device)
     losses, norms = [], []
-    bar = tqdm(range(args.steps), disable=rank != 0, desc=f"train_dit ring {args.ring} x ulysses {args.ulysses}")
+    bar = tqdm(
+        range(args.steps), disable=rank != 0, desc=f"train_dit ring {args.ring} x ulysses {args.ulysses}"
+    )
     for step in bar:
         xt, t, v = (x.to(device) for x in make_batch(args, step, state.dp_rank))
         with seqpar.parallel_sdpa(state, seq_len=num_tokens):
@@ -188,13 +205,16 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             worst = max(diffs + norm_diffs)
             if worst > args.tol:
                 print(
-                    "\n" + "!" * 72 + f"\ntrain_dit --check FAILED: context-parallel training differs from the single-device run\n"
+                    "\n"
+                    + "!" * 72
+                    + f"\ntrain_dit --check FAILED: context-parallel training differs from the single-device run\n"
                     f"  max relative difference {worst:.3e} > tol {args.tol:.1e}\n"
                     f"  loss, context parallel:      {[round(x, 6) for x in losses[: args.check_steps]]}\n"
                     f"  loss, single device:         {[round(x, 6) for x in reference]}\n"
                     f"  grad norm, context parallel: {[round(x, 6) for x in norms[: args.check_steps]]}\n"
                     f"  grad norm, single device:    {[round(x, 6) for x in ref_norms]}\n" + "!" * 72,
-                    file=sys.stderr, flush=True,
+                    file=sys.stderr,
+                    flush=True,
                 )
                 ok.zero_()
             else:
@@ -209,7 +229,12 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         print(f"train_dit: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps", flush=True)
         if args.plot:
             grid = "x".join(map(str, args.grid))
-            plot(args.plot, losses, reference, f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses}")
+            plot(
+                args.plot,
+                losses,
+                reference,
+                f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses}",
+            )
             print(f"train_dit: plot saved to {args.plot}", flush=True)
     return 0 if bool(ok.item()) else 1
 

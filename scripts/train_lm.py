@@ -35,7 +35,9 @@ from seqpar.training import global_loss, sharded_cross_entropy, shift_labels, wr
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ring", type=int, default=2, help="ring size R")
     p.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
     p.add_argument("--seq-len", type=int, default=1023, help="tokens per sequence (any length)")
@@ -50,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare the first steps with one device")
     p.add_argument("--check-steps", type=int, default=6)
-    p.add_argument("--tol", type=float, default=1e-4, help="max relative difference of loss and gradient norm in --check")
+    p.add_argument(
+        "--tol", type=float, default=1e-4, help="max relative difference of loss and gradient norm in --check"
+    )
     p.add_argument("--plot", default=None, help="save the loss curve to this image path")
     return p.parse_args(argv)
 
@@ -63,7 +67,9 @@ def make_batch(args: argparse.Namespace, step: int, replica: int) -> tuple[torch
     (learnable only through attention). Labels are shifted on the global sequence with the
     document boundaries (no target across documents).
     """
-    successors = torch.randint(1, args.vocab, (args.vocab, 4), generator=torch.Generator().manual_seed(args.seed))
+    successors = torch.randint(
+        1, args.vocab, (args.vocab, 4), generator=torch.Generator().manual_seed(args.seed)
+    )
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + replica)
     ids = torch.empty(args.batch, args.seq_len, dtype=torch.long)
     labels = torch.empty_like(ids)
@@ -92,8 +98,11 @@ def new_model(args: argparse.Namespace, attn_implementation: str, device: torch.
     from transformers import LlamaForCausalLM
 
     cfg = tiny_llama_config(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
         max_position_embeddings=max(2048, args.seq_len),
     )
     torch.manual_seed(args.seed)
@@ -102,7 +111,9 @@ def new_model(args: argparse.Namespace, attn_implementation: str, device: torch.
 
 def grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of all parameter gradients (sensitive to the gradient scale, unlike Adam's steps)."""
-    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])).item()
+    return torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+    ).item()
 
 
 def reference_losses(
@@ -119,7 +130,9 @@ def reference_losses(
         for replica in range(dp_size):
             ids, labels = (t.to(device) for t in make_batch(args, step, replica))
             logits = model(input_ids=ids).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100) / dp_size
+            loss = (
+                F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100) / dp_size
+            )
             loss.backward()
             total += loss.item()
         norms.append(grad_norm(model))
@@ -177,7 +190,9 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     positions = seqpar.shard_positions(args.seq_len, state, device)[None]
     losses, norms = [], []
-    bar = tqdm(range(args.steps), disable=rank != 0, desc=f"train_lm ring {args.ring} x ulysses {args.ulysses}")
+    bar = tqdm(
+        range(args.steps), disable=rank != 0, desc=f"train_lm ring {args.ring} x ulysses {args.ulysses}"
+    )
     for step in bar:
         ids, labels = make_batch(args, step, state.dp_rank)
         ids, labels = seqpar.shard(ids.to(device), state), seqpar.shard(labels.to(device), state)
@@ -200,13 +215,16 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
             worst = max(diffs + norm_diffs)
             if worst > args.tol:
                 print(
-                    "\n" + "!" * 72 + f"\ntrain_lm --check FAILED: context-parallel training differs from the single-device run\n"
+                    "\n"
+                    + "!" * 72
+                    + f"\ntrain_lm --check FAILED: context-parallel training differs from the single-device run\n"
                     f"  max relative difference {worst:.3e} > tol {args.tol:.1e}\n"
                     f"  loss, context parallel:      {[round(x, 6) for x in losses[: args.check_steps]]}\n"
                     f"  loss, single device:         {[round(x, 6) for x in reference]}\n"
                     f"  grad norm, context parallel: {[round(x, 6) for x in norms[: args.check_steps]]}\n"
                     f"  grad norm, single device:    {[round(x, 6) for x in ref_norms]}\n" + "!" * 72,
-                    file=sys.stderr, flush=True,
+                    file=sys.stderr,
+                    flush=True,
                 )
                 ok.zero_()
             else:
@@ -220,7 +238,12 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
     if rank == 0:
         print(f"train_lm: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps", flush=True)
         if args.plot:
-            plot(args.plot, losses, reference, f"tiny Llama, S={args.seq_len}, ring {args.ring} x ulysses {args.ulysses}")
+            plot(
+                args.plot,
+                losses,
+                reference,
+                f"tiny Llama, S={args.seq_len}, ring {args.ring} x ulysses {args.ulysses}",
+            )
             print(f"train_lm: plot saved to {args.plot}", flush=True)
     return 0 if bool(ok.item()) else 1
 

@@ -22,14 +22,18 @@ def _info(args: argparse.Namespace) -> int:
     from seqpar.backends import available_backends
 
     print(f"seqpar {seqpar.__version__}, torch {torch.__version__}, python {platform.python_version()}")
-    print(f"distributed: gloo={torch.distributed.is_gloo_available()} nccl={torch.distributed.is_nccl_available()}")
+    print(
+        f"distributed: gloo={torch.distributed.is_gloo_available()} nccl={torch.distributed.is_nccl_available()}"
+    )
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
         print(f"cuda: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
     for device in devices:
         for dtype in (torch.float32, torch.bfloat16):
-            print(f"backends on {device.type} {str(dtype).removeprefix('torch.')}: {available_backends(device, dtype)}")
+            print(
+                f"backends on {device.type} {str(dtype).removeprefix('torch.')}: {available_backends(device, dtype)}"
+            )
     return 0
 
 
@@ -42,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     demo_parser = commands.add_parser(
-        "demo", help="run hybrid ring x Ulysses attention on local ranks and verify it against one device",
+        "demo",
+        help="run hybrid ring x Ulysses attention on local ranks and verify it against one device",
         description=demo.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

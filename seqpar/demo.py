@@ -22,7 +22,12 @@ import torch
 
 __all__ = ["add_arguments", "run"]
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 # Smallest tolerance per dtype: the baseline error of a tiny problem can be ~0.
 _FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -57,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true", help="causal attention")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype (default float32)")
     parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
         help="auto: CUDA + NCCL when there are >= world-size GPUs, else CPU + gloo",
     )
     parser.add_argument("--backend", default="auto", help="seqpar attention backend (default auto)")
@@ -70,7 +77,8 @@ def _inputs(cfg: _Config, dp_rank: int) -> tuple[torch.Tensor, ...]:
     shape_q = (cfg.batch, cfg.seq_len, cfg.heads, cfg.head_dim)
     shape_kv = (cfg.batch, cfg.seq_len, cfg.kv_heads, cfg.head_dim)
     return tuple(
-        torch.randn(shape, generator=g, dtype=torch.float64) for shape in (shape_q, shape_kv, shape_kv, shape_q)
+        torch.randn(shape, generator=g, dtype=torch.float64)
+        for shape in (shape_q, shape_kv, shape_kv, shape_q)
     )
 
 
@@ -92,7 +100,10 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
     store = dist.FileStore(os.path.join(store_dir, "store"), cfg.world_size)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=cfg.world_size,
+        "nccl" if device.type == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=cfg.world_size,
         timeout=timedelta(seconds=300),
     )
     try:
@@ -115,10 +126,19 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
         sync()
         t2 = time.perf_counter()
         result = {
-            "rank": rank, "dp": state.dp_rank, "cp": state.cp_rank, "ring": state.ring_rank,
-            "ulysses": state.ulysses_rank, "tokens": q.shape[1], "fwd_ms": 1e3 * (t1 - t0),
-            "bwd_ms": 1e3 * (t2 - t1), "mem_mib": _peak_mib(device),
-            "out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu(),
+            "rank": rank,
+            "dp": state.dp_rank,
+            "cp": state.cp_rank,
+            "ring": state.ring_rank,
+            "ulysses": state.ulysses_rank,
+            "tokens": q.shape[1],
+            "fwd_ms": 1e3 * (t1 - t0),
+            "bwd_ms": 1e3 * (t2 - t1),
+            "mem_mib": _peak_mib(device),
+            "out": out.detach().cpu(),
+            "dq": q.grad.cpu(),
+            "dk": k.grad.cpu(),
+            "dv": v.grad.cpu(),
         }
         torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
     finally:
@@ -133,7 +153,10 @@ def _reference(cfg: _Config, dp_rank: int, dtype: torch.dtype) -> dict[str, torc
     q, k, v = (t.transpose(1, 2).requires_grad_(True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal, enable_gqa=cfg.kv_heads != cfg.heads)
     out.backward(dout.transpose(1, 2))
-    return {name: t.transpose(1, 2).detach() for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+    return {
+        name: t.transpose(1, 2).detach()
+        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))
+    }
 
 
 def _check(args: argparse.Namespace) -> _Config:
@@ -152,12 +175,25 @@ def _check(args: argparse.Namespace) -> _Config:
         fail(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     device = args.device
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
+        device = (
+            "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
+        )
     if device == "cuda" and torch.cuda.device_count() < args.world_size:
         fail(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
     return _Config(
-        args.world_size, args.ring, args.ulysses, args.seq_len, args.batch, args.heads, args.kv_heads,
-        args.head_dim, bool(args.causal), args.dtype, device, args.backend, args.seed,
+        args.world_size,
+        args.ring,
+        args.ulysses,
+        args.seq_len,
+        args.batch,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        bool(args.causal),
+        args.dtype,
+        device,
+        args.backend,
+        args.seed,
     )
 
 
@@ -182,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="seqpar-demo-") as tmp:
-        mp.start_processes(_rank_main, args=(cfg, tmp), nprocs=cfg.world_size, start_method="spawn", join=True)
+        mp.start_processes(
+            _rank_main, args=(cfg, tmp), nprocs=cfg.world_size, start_method="spawn", join=True
+        )
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cfg.world_size)]
     spawn_s = time.perf_counter() - start
 
@@ -197,8 +235,10 @@ def run(args: argparse.Namespace) -> int:
     tol_grad = max(2 * base_grad, _FLOOR[dtype])
 
     positions = seqpar.layout.dense_positions
-    header = f"{'rank':>4} {'dp':>3} {'ring':>4} {'uly':>4} {'tokens':>7} {'fwd ms':>9} {'bwd ms':>9} " \
-             f"{'peak MiB':>9} {'|out err|':>10} {'|grad err|':>10}"
+    header = (
+        f"{'rank':>4} {'dp':>3} {'ring':>4} {'uly':>4} {'tokens':>7} {'fwd ms':>9} {'bwd ms':>9} "
+        f"{'peak MiB':>9} {'|out err|':>10} {'|grad err|':>10}"
+    )
     print(header)
     print("-" * len(header))
     worst_out = worst_grad = 0.0

@@ -46,7 +46,6 @@ import math
 import threading
 from collections.abc import Iterator
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -163,7 +162,15 @@ def scaled_dot_product_attention(
     # Fold the leading dims into one batch dim (SDPA's 3-D form (H, S, D) becomes batch 1).
     q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
     out = attention(
-        q, k, v, state, causal=bool(is_causal), softmax_scale=scale, layout="bhsd", backend=backend, seq_len=seq_len
+        q,
+        k,
+        v,
+        state,
+        causal=bool(is_causal),
+        softmax_scale=scale,
+        layout="bhsd",
+        backend=backend,
+        seq_len=seq_len,
     )
     return out.reshape(*lead, *out.shape[1:])
 
@@ -192,8 +199,17 @@ def _dispatch(
     stack.append(None)  # an SDPA call made by seqpar itself must not recurse into seqpar
     try:
         return scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            state=state, seq_len=seq_len, backend=backend,
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            state=state,
+            seq_len=seq_len,
+            backend=backend,
         )
     finally:
         stack.pop()

@@ -11,7 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def _seqpar(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
-        [sys.executable, "-m", "seqpar", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "seqpar", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -31,8 +36,22 @@ def test_demo_default_passes():
 
 
 def test_demo_causal_ring_only_bf16():
-    proc = _seqpar("demo", "--ring", "4", "--ulysses", "1", "--seq-len", "777", "--heads", "5",
-                   "--kv-heads", "1", "--causal", "--dtype", "bfloat16")
+    proc = _seqpar(
+        "demo",
+        "--ring",
+        "4",
+        "--ulysses",
+        "1",
+        "--seq-len",
+        "777",
+        "--heads",
+        "5",
+        "--kv-heads",
+        "1",
+        "--causal",
+        "--dtype",
+        "bfloat16",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "causal" in proc.stdout.splitlines()[0]
     assert proc.stdout.splitlines()[-1].startswith("demo: OK")

@@ -149,7 +149,9 @@ def _checkpoint_case(ring, ulysses):
     ref_grads = torch.autograd.grad((block(x) * w).sum(), list(block.parameters()))
     with parallel_sdpa(state):
         out = checkpoint(
-            block, shard(x, state), use_reentrant=False,
+            block,
+            shard(x, state),
+            use_reentrant=False,
             context_fn=lambda: (nullcontext(), parallel_sdpa(state)),
         )
     grads = torch.autograd.grad((out * shard(w, state)).sum(), list(block.parameters()))  # outside
@@ -252,7 +254,9 @@ def test_someone_else_patching_on_top():
     F.scaled_dot_product_attention = ours  # they restore what they found: our stale dispatcher
     try:
         mask = torch.zeros(5, 5, dtype=torch.float64)
-        torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, attn_mask=mask), ORIGINAL_SDPA(q, q, q))
+        torch.testing.assert_close(
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask), ORIGINAL_SDPA(q, q, q)
+        )
         with parallel_sdpa(ParallelState()):
             pass
         assert F.scaled_dot_product_attention is ORIGINAL_SDPA
@@ -294,7 +298,9 @@ def test_unsupported_arguments_raise():
         with torch.no_grad(), pytest.raises(NotImplementedError, match="dropout"):
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
         with pytest.raises(ValueError, match="attn_mask is not supported"):
-            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(9, 9, dtype=torch.bool), enable_gqa=True)
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(9, 9, dtype=torch.bool), enable_gqa=True
+            )
         with pytest.raises(ValueError, match="local_sdpa"):
             F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], enable_gqa=True)
         q3, k3, v3 = _qkv(heads=3, kv_heads=2)

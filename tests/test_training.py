@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +48,9 @@ def test_single_process_state_is_plain_mean():
     state = ParallelState()
     logits, labels = torch.randn(2, 9, 11), torch.randint(0, 11, (2, 9))
     labels[0, :4] = -100
-    torch.testing.assert_close(sharded_cross_entropy(logits, labels, state), F.cross_entropy(logits.transpose(1, 2), labels))
+    torch.testing.assert_close(
+        sharded_cross_entropy(logits, labels, state), F.cross_entropy(logits.transpose(1, 2), labels)
+    )
     assert sharded_cross_entropy(logits, torch.full_like(labels, -100), state).item() == 0.0  # no NaN
     model = torch.nn.Linear(2, 2)
     assert wrap_ddp(model, state) is model
@@ -70,12 +71,22 @@ def _loss_cases(ring, ulysses):
         share = sharded_cross_entropy(shard(x, state), shard(labels, state), state)
         (grad,) = torch.autograd.grad(share, x)
         dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the exact one
-        out.append((
-            abs(global_loss(share, state).item() - ref.item()),
-            (grad - ref_grad).abs().max().item(),
-        ))
+        out.append(
+            (
+                abs(global_loss(share, state).item() - ref.item()),
+                (grad - ref_grad).abs().max().item(),
+            )
+        )
         values = torch.randn(2, seq_len, 3, generator=g, dtype=torch.float64)
-        out.append((abs(global_loss(sharded_mean(shard(values, state), state), state).item() - values.mean().item()), 0.0))
+        out.append(
+            (
+                abs(
+                    global_loss(sharded_mean(shard(values, state), state), state).item()
+                    - values.mean().item()
+                ),
+                0.0,
+            )
+        )
     return out
 
 
@@ -93,7 +104,13 @@ def _dit_and_data(dp_size):
     for replica in range(dp_size):
         g = torch.Generator().manual_seed(100 + replica)
         x = patchify(torch.randn(2, 2, 3, 6, 6, generator=g, dtype=torch.float64), model.patch)
-        data.append((x, torch.rand(2, generator=g, dtype=torch.float64), torch.randn(x.shape, generator=g, dtype=torch.float64)))
+        data.append(
+            (
+                x,
+                torch.rand(2, generator=g, dtype=torch.float64),
+                torch.randn(x.shape, generator=g, dtype=torch.float64),
+            )
+        )
     return model, data
 
 
@@ -112,7 +129,9 @@ def _ddp_case(ring, ulysses, use_ddp):
     sharded_mean((pred - shard(y, state)) ** 2, state).backward()
     if not use_ddp:
         all_reduce_gradients(model.parameters(), state)
-    return max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref_model.parameters()))
+    return max(
+        (p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref_model.parameters())
+    )
 
 
 @pytest.mark.parametrize("ring,ulysses", [(1, 2), (2, 2), (2, 1)])
@@ -130,7 +149,9 @@ def _torchrun(script, *args, timeout=240):
 
 def test_train_lm_check(tmp_path):
     plot = tmp_path / "lm.png"
-    proc = _torchrun("train_lm.py", "--ring", "2", "--ulysses", "2", "--steps", "8", "--check", "--plot", str(plot))
+    proc = _torchrun(
+        "train_lm.py", "--ring", "2", "--ulysses", "2", "--steps", "8", "--check", "--plot", str(plot)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "train_lm --check OK" in proc.stdout
     assert plot.stat().st_size > 0
@@ -139,7 +160,9 @@ def test_train_lm_check(tmp_path):
 def test_train_dit_check_with_data_parallel(tmp_path):
     plot = tmp_path / "dit.png"
     # ring 2 x ulysses 1 on 4 ranks: 2 data-parallel replicas.
-    proc = _torchrun("train_dit.py", "--ring", "2", "--ulysses", "1", "--steps", "6", "--check", "--plot", str(plot))
+    proc = _torchrun(
+        "train_dit.py", "--ring", "2", "--ulysses", "1", "--steps", "6", "--check", "--plot", str(plot)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "train_dit --check OK" in proc.stdout
     assert plot.stat().st_size > 0

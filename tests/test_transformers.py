@@ -23,8 +23,13 @@ VOCAB = 97
 
 def _models(name: str):
     def cfg():  # one config per model: _from_config records the attn_implementation on it
-        return tiny_llama_config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)
+        return tiny_llama_config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
 
     torch.manual_seed(0)
     ref = LlamaForCausalLM._from_config(cfg(), attn_implementation="sdpa")
@@ -55,12 +60,14 @@ def _llama_cases(ring, ulysses, seq_lens):
             grad_err = max(grad_err, (gr - r).abs().max().item())
         loss = share.detach().clone()
         dist.all_reduce(loss, group=state.cp_group)
-        out.append({
-            "seq_len": seq_len,
-            "logits": (logits - shard(ref_logits, state)).abs().max().item() if logits.numel() else 0.0,
-            "grad": grad_err,
-            "loss": abs(loss.item() - ref_loss.item()),
-        })
+        out.append(
+            {
+                "seq_len": seq_len,
+                "logits": (logits - shard(ref_logits, state)).abs().max().item() if logits.numel() else 0.0,
+                "grad": grad_err,
+                "loss": abs(loss.item() - ref_loss.item()),
+            }
+        )
     return out
 
 
@@ -80,8 +87,9 @@ def _bert_case(ring, ulysses):
     state = ParallelState(ring, ulysses)
 
     def cfg():
-        return BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=64)
+        return BertConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
 
     torch.manual_seed(0)
     ref = BertModel._from_config(cfg(), attn_implementation="sdpa").eval()
@@ -90,8 +98,9 @@ def _bert_case(ring, ulysses):
     ids = torch.randint(0, 50, (2, 23), generator=torch.Generator().manual_seed(1))
     want = ref(input_ids=ids).last_hidden_state
     local = shard(ids, state)
-    got = model(input_ids=local, position_ids=shard_positions(23, state)[None],
-                token_type_ids=torch.zeros_like(local)).last_hidden_state
+    got = model(
+        input_ids=local, position_ids=shard_positions(23, state)[None], token_type_ids=torch.zeros_like(local)
+    ).last_hidden_state
     return (got - shard(want, state)).abs().max().item()
 
 
@@ -141,7 +150,9 @@ def test_size_one_state_equals_sdpa_and_causal_mask_recognised(single):
     tril = torch.ones(13, 13, dtype=torch.bool).tril()[None, None].expand(2, 1, 13, 13)
     torch.testing.assert_close(model(input_ids=ids, attention_mask=tril).logits, want, atol=1e-5, rtol=1e-5)
     additive = torch.zeros(2, 1, 13, 13).masked_fill(~tril, torch.finfo(torch.float32).min)
-    torch.testing.assert_close(model(input_ids=ids, attention_mask=additive).logits, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model(input_ids=ids, attention_mask=additive).logits, want, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_padding_and_custom_masks_raise(single):
@@ -174,7 +185,9 @@ def test_kv_cache_decoding_raises(single):
 
 def test_dropout_raises():
     cfg = tiny_llama_config(vocab_size=VOCAB, attention_dropout=0.1)
-    model = LlamaForCausalLM._from_config(cfg, attn_implementation=register(ParallelState(), name="seqpar-test-drop"))
+    model = LlamaForCausalLM._from_config(
+        cfg, attn_implementation=register(ParallelState(), name="seqpar-test-drop")
+    )
     model.train()
     with pytest.raises(NotImplementedError, match="attention dropout 0.1"):
         model(input_ids=torch.randint(0, VOCAB, (1, 5)))

@@ -249,7 +249,16 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
 
     def seqpar_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         return attention_forward(
-            module, query, key, value, attention_mask, dropout, scaling, state=state, backend=backend, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            scaling,
+            state=state,
+            backend=backend,
+            **kwargs,
         )
 
     attention_interface.register(name, seqpar_attention)

@@ -27,7 +27,9 @@ __all__ = ["VideoDiT", "DiTBlock", "patchify", "unpatchify"]
 
 def _check_patch(video_shape: tuple[int, ...], patch: tuple[int, int, int], where: str) -> None:
     if len(video_shape) != 5:
-        raise ValueError(f"{where}: expected a video (batch, channels, frames, height, width), got {video_shape}")
+        raise ValueError(
+            f"{where}: expected a video (batch, channels, frames, height, width), got {video_shape}"
+        )
     for name, n, p in zip(("frames", "height", "width"), video_shape[2:], patch):
         if p < 1 or n % p != 0:
             raise ValueError(f"{where}: {name}={n} is not a multiple of the patch size {p} (patch={patch})")
