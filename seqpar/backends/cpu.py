@@ -1,0 +1,333 @@
+"""The ``"cpu"`` backend: PyTorch's CPU flash-attention kernel.
+
+Dense blocks call ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``) on
+``[B, H, S, D]`` transposed views of the bshd inputs; GQA is native (``Hkv < H`` accepted).
+
+Measured kernel quirks (torch 2.13) handled here:
+
+- an empty sequence dim (``Sq == 0`` or ``Sk == 0``) crashes the process (SIGFPE): never called;
+- a strided head dim (``stride(-1) != 1``) gives silently wrong results: such inputs are copied;
+- a fully masked row yields ``lse = 0``; no row the callers keep is ever fully masked here;
+- the backward turns ``lse = -inf`` into NaN; ``-inf`` is passed as ``+inf`` (zero weight).
+
+Note [CPU varlen]
+~~~~~~~~~~~~~~~~~
+The kernel has no cumulative-length mode, and per call it costs a few microseconds plus Python
+overhead, which dominates for short sequences. ``varlen_forward``/``varlen_backward`` therefore:
+
+1. give each sequence with ``len_q * len_k >= _DIRECT_MIN_WORK`` its own dense call on views of the
+   packed tensors (no copy, no wasted FLOPs);
+2. put shorter sequences into buckets of similar ``(len_q, len_k)`` -- exact up to
+   ``_EXACT_UP_TO`` tokens, then geometric with ratio ``_BUCKET_RATIO`` -- gather each bucket into
+   one padded ``[n, M, H, D]`` batch and make one dense call for it, so padding wastes at most
+   ``_BUCKET_RATIO`` per side. Padded keys are hidden by a ``[n, 1, 1, Mk]`` additive key mask
+   (non-causal only: with the top-left causal mask a real query row never reaches a padded key).
+   Padded query rows are computed and dropped; in the backward their lse is ``+inf`` so they
+   contribute nothing to dk/dv.
+
+Sequences with no query or no key are skipped (out 0, lse -inf, zero gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import (
+    check_dense,
+    check_varlen,
+    empty_forward,
+    last_dim_contiguous,
+    lse_dtype,
+    lse_for_backward,
+    varlen_lengths,
+)
+
+__all__ = ["CpuFlashBackend"]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# A sequence whose len_q * len_k reaches this gets its own kernel call (see Note [CPU varlen]).
+_DIRECT_MIN_WORK = 128 * 128
+_EXACT_UP_TO = 8
+_BUCKET_RATIO = 1.25
+
+
+def _kernel_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """One kernel call on bshd inputs with non-empty sequence dims -> bshd out, [B, H, S] lse."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        last_dim_contiguous(q).transpose(1, 2),
+        last_dim_contiguous(k).transpose(1, 2),
+        last_dim_contiguous(v).transpose(1, 2),
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.transpose(1, 2), lse.contiguous()
+
+
+def _kernel_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One backward kernel call on bshd inputs; ``lse`` must come from :func:`lse_for_backward`."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        last_dim_contiguous(dout.to(q.dtype)).transpose(1, 2),
+        last_dim_contiguous(q).transpose(1, 2),
+        last_dim_contiguous(k).transpose(1, 2),
+        last_dim_contiguous(v).transpose(1, 2),
+        last_dim_contiguous(out.to(q.dtype)).transpose(1, 2),
+        lse,
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class _Side:
+    """Where one side (q or k) of a bucket's ``[n, M]`` padded batch lives in the packed tensor.
+
+    ``index`` ``[n * M]`` holds packed token indices (padding points at the sequence's first
+    token), ``valid`` ``[n * M]`` marks real tokens, ``start`` is set when the batch is one
+    contiguous run of packed tokens without padding (a view then replaces the gather).
+    """
+
+    n: int
+    width: int
+    index: Tensor
+    valid: Tensor
+    start: int | None
+
+    @staticmethod
+    def build(starts: Tensor, lens: Tensor) -> _Side:
+        width = int(lens.max())
+        pos = torch.arange(width)
+        valid = pos < lens[:, None]
+        index = (starts[:, None] + torch.where(valid, pos, 0)).flatten()
+        first = int(index[0])
+        run = bool(valid.all()) and bool(
+            (index == torch.arange(first, first + index.numel())).all()
+        )
+        return _Side(len(lens), width, index, valid.flatten(), first if run else None)
+
+    def take(self, x: Tensor) -> Tensor:
+        """``x [T, H, D]`` -> this side's padded batch ``[n, M, H, D]``."""
+        if self.start is not None:
+            rows = x[self.start:self.start + self.n * self.width]
+            return rows.unflatten(0, (self.n, self.width))
+        index = self.index.to(x.device)
+        return x.index_select(0, index).unflatten(0, (self.n, self.width))
+
+    def put(self, dst: Tensor, src: Tensor, dim: int = 0) -> None:
+        """Write the real tokens of ``src`` (padded batch flattened along ``dim``) into ``dst``."""
+        if self.start is not None:
+            dst.narrow(dim, self.start, self.n * self.width).copy_(src)
+            return
+        keep = self.valid.to(dst.device)
+        dst.index_copy_(dim, self.index.to(dst.device)[keep], src[(slice(None),) * dim + (keep,)])
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Sequences batched into one padded kernel call (see Note [CPU varlen])."""
+
+    q: _Side
+    k: _Side
+    needs_key_mask: bool
+
+    def key_mask(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """Additive ``[n, 1, 1, Mk]`` mask hiding padded keys, or None if there are none."""
+        if not self.needs_key_mask:
+            return None
+        hidden = ~self.k.valid.to(device).view(self.k.n, 1, 1, self.k.width)
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(hidden, float("-inf"))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    direct: list[tuple[int, int, int, int]]  # (start_q, len_q, start_k, len_k)
+    buckets: list[_Bucket]
+
+
+def _bucket_ids(lens: Tensor) -> Tensor:
+    """Bucket index of each length: exact up to _EXACT_UP_TO, then geometric."""
+    geo = _EXACT_UP_TO + torch.ceil(
+        torch.log(lens.double().clamp(min=1) / _EXACT_UP_TO) / math.log(_BUCKET_RATIO) - 1e-9
+    ).long()
+    return torch.where(lens <= _EXACT_UP_TO, lens, geo)
+
+
+def _plan(lens_q: list[int], lens_k: list[int], causal: bool) -> _Plan:
+    """Split the sequences into direct calls and padded buckets (host-side index maths)."""
+    lq = torch.tensor(lens_q, dtype=torch.int64)
+    lk = torch.tensor(lens_k, dtype=torch.int64)
+    start_q = torch.cumsum(lq, 0) - lq
+    start_k = torch.cumsum(lk, 0) - lk
+    active = (lq > 0) & (lk > 0)
+    direct_mask = active & (lq * lk >= _DIRECT_MIN_WORK)
+    small = torch.nonzero(active & ~direct_mask).flatten()
+    direct_ids = torch.nonzero(direct_mask).flatten().tolist()
+    buckets: list[_Bucket] = []
+    if small.numel():
+        key = _bucket_ids(lq[small]) * (1 << 32) + _bucket_ids(lk[small])
+        _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+        members = small[torch.argsort(inverse, stable=True)].split(counts.tolist())
+        for sel in members:
+            if sel.numel() == 1:
+                direct_ids.append(int(sel))
+                continue
+            k_side = _Side.build(start_k[sel], lk[sel])
+            buckets.append(
+                _Bucket(
+                    q=_Side.build(start_q[sel], lq[sel]),
+                    k=k_side,
+                    # With the top-left causal mask a real query never reaches a padded key.
+                    needs_key_mask=not causal and not bool(k_side.valid.all()),
+                )
+            )
+    direct = [
+        (int(start_q[i]), lens_q[i], int(start_k[i]), lens_k[i]) for i in sorted(direct_ids)
+    ]
+    return _Plan(direct=direct, buckets=buckets)
+
+
+class CpuFlashBackend:
+    """PyTorch's CPU flash-attention kernel; float32/float64/bfloat16/float16."""
+
+    name = "cpu"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if device.type != "cpu":
+            return f"it runs on CPU only, not {device.type}"
+        if dtype not in _DTYPES:
+            return f"the CPU kernel supports {[str(d) for d in _DTYPES]}, not {dtype}"
+        return None
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.forward`."""
+        check_dense(q, k, v, causal)
+        b, sq, h, _ = q.shape
+        if sq == 0 or k.shape[1] == 0:
+            return empty_forward(q, (b, h, sq))
+        return _kernel_forward(q, k, v, causal, scale)
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.backward`."""
+        check_dense(q, k, v, causal)
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse = lse_for_backward(lse, lse_dtype(q.dtype))
+        return _kernel_backward(dout, q, k, v, out, lse, causal, scale)
+
+    def varlen_forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_forward` and Note [CPU varlen]."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        total_q, h, _ = q.shape
+        out, lse = empty_forward(q, (h, total_q))
+        plan = _plan(lens_q, lens_k, causal)
+        for s_q, l_q, s_k, l_k in plan.direct:
+            o, l = _kernel_forward(
+                q[None, s_q:s_q + l_q], k[None, s_k:s_k + l_k], v[None, s_k:s_k + l_k],
+                causal, scale,
+            )
+            out[s_q:s_q + l_q] = o[0]
+            lse[:, s_q:s_q + l_q] = l[0]
+        for bucket in plan.buckets:
+            o, l = _kernel_forward(
+                bucket.q.take(q), bucket.k.take(k), bucket.k.take(v), causal, scale,
+                bucket.key_mask(q.dtype, q.device),
+            )
+            bucket.q.put(out, o.flatten(0, 1))
+            bucket.q.put(lse, l.transpose(0, 1).flatten(1, 2), dim=1)
+        return out, lse
+
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_backward` and Note [CPU varlen]."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        lse = lse_for_backward(lse, lse_dtype(q.dtype))  # [H, Tq]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        plan = _plan(lens_q, lens_k, causal)
+        for s_q, l_q, s_k, l_k in plan.direct:
+            sl_q, sl_k = slice(s_q, s_q + l_q), slice(s_k, s_k + l_k)
+            g_q, g_k, g_v = _kernel_backward(
+                dout[None, sl_q], q[None, sl_q], k[None, sl_k], v[None, sl_k],
+                out[None, sl_q], lse[None, :, sl_q].contiguous(), causal, scale,
+            )
+            dq[sl_q] = g_q[0]
+            dk[sl_k] = g_k[0]
+            dv[sl_k] = g_v[0]
+        for bucket in plan.buckets:
+            n, width = bucket.q.n, bucket.q.width
+            lse_b = bucket.q.take(lse.t()).permute(0, 2, 1)  # [n, H, M]
+            if bucket.q.start is None:  # padded query rows: +inf, they contribute nothing
+                hidden = ~bucket.q.valid.to(q.device).view(n, 1, width)
+                lse_b = lse_b.masked_fill(hidden, float("inf"))
+            g_q, g_k, g_v = _kernel_backward(
+                bucket.q.take(dout), bucket.q.take(q), bucket.k.take(k), bucket.k.take(v),
+                bucket.q.take(out), lse_b.contiguous(), causal, scale,
+                bucket.key_mask(q.dtype, q.device),
+            )
+            bucket.q.put(dq, g_q.flatten(0, 1))
+            bucket.k.put(dk, g_k.flatten(0, 1))
+            bucket.k.put(dv, g_v.flatten(0, 1))
+        return dq, dk, dv

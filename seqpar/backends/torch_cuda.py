@@ -1,0 +1,350 @@
+"""CUDA kernels bundled with PyTorch: ``"torch_flash"`` (FlashAttention-2), ``"torch_efficient"``.
+
+``torch_flash`` calls ``aten._flash_attention_forward/_backward``. Dense inputs are bshd 4-D with
+``cum_seq_q = cum_seq_k = None`` (lse ``[B, H, Sq]``); varlen inputs are ``[T, H, D]`` 3-D with
+int32 ``cum_seq_*`` (lse ``[H, T]``; ROCm builds may return ``[nseq, H, max_q]``, converted here).
+GQA is native. fp16/bf16 only, head dim <= 256 (padded here to a multiple of 8). Rows with no keys
+come back with ``lse = +inf``; they are reported as ``-inf`` and passed back as ``+inf``.
+Without dropout the RNG arguments of the backward are unused: a zero ``(2,)`` uint64 state and an
+empty tensor are passed, as ``torch.nn.attention.varlen`` does.
+
+``torch_efficient`` calls ``aten._efficient_attention_forward/_backward`` (the CUTLASS
+memory-efficient kernel), which also runs fp32. Its quirks, from the PyTorch source:
+
+- q, k, v must have the same number of heads: kv heads are repeated for GQA and their gradients
+  summed back;
+- varlen needs a batch dim of 1 (``[1, T, H, D]``) plus int32 ``cu_seqlens``;
+- lse is ``[B or nseq, H, ceil(S / 32) * 32]`` padded; the backward reads the padding, which must
+  be ``+inf``;
+- ``custom_mask_type``: 0 none, 1 causal aligned top-left (used; blocks are square).
+
+Neither kernel could be run where this module was written (no GPU); ``tests/test_backends.py``
+checks both against the float64 reference when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import (
+    check_dense,
+    check_varlen,
+    empty_forward,
+    lse_for_backward,
+    normalise_lse_,
+    packed_lse_from_padded,
+    pad_head_dim,
+    padded_lse_from_packed,
+    tokens_of_empty_partner,
+    unpad_head_dim,
+)
+
+__all__ = ["TorchFlashBackend", "TorchEfficientBackend"]
+
+_MAX_HEAD_DIM = 256
+_EFFICIENT_LSE_ALIGN = 32
+
+
+def _check_head_dim(head_dim: int, backend: str) -> None:
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"backend {backend!r} supports head dims up to {_MAX_HEAD_DIM}, got {head_dim}; "
+            f"use backend='reference'"
+        )
+
+
+def _cu(cu_seqlens: Tensor) -> Tensor:
+    return cu_seqlens.to(torch.int32).contiguous()
+
+
+def _cuda_reason(device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...],
+                 min_capability: tuple[int, int]) -> str | None:
+    if device.type != "cuda":
+        return f"it runs on CUDA only, not {device.type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if dtype not in dtypes:
+        return f"it supports {[str(d) for d in dtypes]}, not {dtype}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < min_capability:
+        return f"it needs compute capability >= {min_capability}, the device has {capability}"
+    return None
+
+
+class TorchFlashBackend:
+    """FlashAttention-2 as bundled with PyTorch (``aten._flash_attention_*``); fp16/bf16."""
+
+    name = "torch_flash"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        return _cuda_reason(device, dtype, (torch.float16, torch.bfloat16), (8, 0))
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.forward`."""
+        check_dense(q, k, v, causal)
+        b, sq, h, d = q.shape
+        sk = k.shape[1]
+        if sq == 0 or sk == 0:
+            return empty_forward(q, (b, h, sq))
+        _check_head_dim(d, self.name)
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
+            None, None, sq, sk, 0.0, causal, False, scale=scale,
+        )
+        return unpad_head_dim(out, d), normalise_lse_(lse)
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.backward`."""
+        check_dense(q, k, v, causal)
+        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+        if sq == 0 or sk == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        _check_head_dim(d, self.name)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
+            pad_head_dim(out.to(q.dtype)), lse_for_backward(lse, torch.float32),
+            None, None, sq, sk, 0.0, causal,
+            *_unused_rng(q.device), scale=scale,
+        )
+        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+
+    def varlen_forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_forward`."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        total_q, h, d = q.shape
+        if total_q == 0 or k.shape[0] == 0:
+            return empty_forward(q, (h, total_q))
+        _check_head_dim(d, self.name)
+        cu_q = _cu(cu_seqlens_q)
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
+            cu_q, _cu(cu_seqlens_k), max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
+        )
+        if lse.dim() == 3:  # ROCm: per-sequence padded layout
+            lse = packed_lse_from_padded(lse, cu_q, total_q)
+        return unpad_head_dim(out, d), normalise_lse_(lse)
+
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_backward`."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        d = q.shape[-1]
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        _check_head_dim(d, self.name)
+        cu_q = _cu(cu_seqlens_q)
+        lse = lse_for_backward(lse, torch.float32)
+        if torch.version.hip:  # ROCm kernels read the per-sequence padded layout
+            lse = padded_lse_from_packed(lse, cu_q, max_seqlen_q)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
+            pad_head_dim(out.to(q.dtype)), lse,
+            cu_q, _cu(cu_seqlens_k), max_seqlen_q, max_seqlen_k, 0.0, causal,
+            *_unused_rng(q.device), scale=scale,
+        )
+        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+
+
+def _unused_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(rng_state, unused)`` for a dropout-free FlashAttention backward."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
+def _repeat_kv(x: Tensor, heads: int) -> Tensor:
+    """``[..., Hkv, D] -> [..., heads, D]`` (the efficient kernel has no native GQA)."""
+    group = heads // x.shape[-2]
+    return x if group == 1 else x.repeat_interleave(group, dim=-2)
+
+
+def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
+    """``[..., H, D] -> [..., Hkv, D]``: sum the gradients of repeated kv heads."""
+    *lead, heads, d = grad.shape
+    if heads == kv_heads:
+        return grad
+    return grad.view(*lead, kv_heads, heads // kv_heads, d).sum(-2)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
+
+
+def _philox_unused() -> tuple[Tensor, Tensor]:
+    """``(seed, offset)`` for a dropout-free efficient-attention backward (never read)."""
+    return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+
+
+class TorchEfficientBackend:
+    """PyTorch's CUTLASS memory-efficient attention (``aten._efficient_attention_*``).
+
+    Runs fp32 as well as fp16/bf16; used by ``"auto"`` for fp32 on CUDA.
+    """
+
+    name = "torch_efficient"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if dtype == torch.bfloat16:
+            return _cuda_reason(device, dtype, (torch.bfloat16,), (8, 0))
+        return _cuda_reason(device, dtype, (torch.float32, torch.float16), (5, 0))
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.forward`."""
+        check_dense(q, k, v, causal)
+        b, sq, h, d = q.shape
+        if sq == 0 or k.shape[1] == 0:
+            return empty_forward(q, (b, h, sq))
+        out, lse, *_ = torch.ops.aten._efficient_attention_forward(
+            pad_head_dim(q), pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)),
+            None, None, None, None, None, 0.0, int(causal), True, scale=scale,
+        )
+        return unpad_head_dim(out, d), normalise_lse_(lse[..., :sq].contiguous())
+
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.backward`."""
+        check_dense(q, k, v, causal)
+        b, sq, h, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        if sq == 0 or sk == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse_padded = torch.full((b, h, _aligned(sq)), float("inf"), device=q.device)
+        lse_padded[..., :sq] = lse_for_backward(lse, torch.float32)
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            pad_head_dim(dout.to(q.dtype)).contiguous(), pad_head_dim(q),
+            pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)), None,
+            pad_head_dim(out.to(q.dtype)).contiguous(), None, None, sq, sk, lse_padded, 0.0,
+            *_philox_unused(), int(causal), False, scale=scale,
+        )
+        dk = _sum_kv_groups(unpad_head_dim(dk, d), hkv)
+        dv = _sum_kv_groups(unpad_head_dim(dv, d), hkv)
+        return unpad_head_dim(dq, d), dk.to(k.dtype), dv.to(v.dtype)
+
+    def varlen_forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_forward`."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        total_q, h, d = q.shape
+        if total_q == 0 or k.shape[0] == 0:
+            return empty_forward(q, (h, total_q))
+        cu_q, cu_k = _cu(cu_seqlens_q), _cu(cu_seqlens_k)
+        out, lse, *_ = torch.ops.aten._efficient_attention_forward(
+            pad_head_dim(q)[None], pad_head_dim(_repeat_kv(k, h))[None],
+            pad_head_dim(_repeat_kv(v, h))[None], None, cu_q, cu_k,
+            max_seqlen_q, max_seqlen_k, 0.0, int(causal), True, scale=scale,
+        )
+        out = unpad_head_dim(out[0], d)
+        lse = normalise_lse_(packed_lse_from_padded(lse, cu_q, total_q))
+        # Rows of sequences without keys: the kernel's output there is not specified.
+        no_keys = tokens_of_empty_partner(cu_q, cu_k, total_q)
+        lse.masked_fill_(no_keys, float("-inf"))
+        out.masked_fill_(no_keys[:, None, None], 0.0)
+        return out, lse
+
+    def varlen_backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        cu_seqlens_q: Tensor,
+        cu_seqlens_k: Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_backward`."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        total_q, h, d = q.shape
+        total_k, hkv = k.shape[0], k.shape[1]
+        if total_q == 0 or total_k == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        cu_q, cu_k = _cu(cu_seqlens_q), _cu(cu_seqlens_k)
+        lse_padded = padded_lse_from_packed(
+            lse_for_backward(lse, torch.float32), cu_q, _aligned(max_seqlen_q)
+        )
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            pad_head_dim(dout.to(q.dtype)).contiguous()[None], pad_head_dim(q)[None],
+            pad_head_dim(_repeat_kv(k, h))[None], pad_head_dim(_repeat_kv(v, h))[None], None,
+            pad_head_dim(out.to(q.dtype)).contiguous()[None], cu_q, cu_k,
+            max_seqlen_q, max_seqlen_k, lse_padded, 0.0, *_philox_unused(), int(causal), False,
+            scale=scale,
+        )
+        dq = unpad_head_dim(dq[0], d)
+        dk = _sum_kv_groups(unpad_head_dim(dk[0], d), hkv).to(k.dtype)
+        dv = _sum_kv_groups(unpad_head_dim(dv[0], d), hkv).to(v.dtype)
+        # Sequences empty on one side: make their gradients exactly zero whatever the kernel did.
+        dq.masked_fill_(tokens_of_empty_partner(cu_q, cu_k, total_q)[:, None, None], 0.0)
+        no_queries = tokens_of_empty_partner(cu_k, cu_q, total_k)[:, None, None]
+        dk.masked_fill_(no_queries, 0.0)
+        dv.masked_fill_(no_queries, 0.0)
+        return dq, dk, dv
