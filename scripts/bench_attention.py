@@ -38,12 +38,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import seqpar
 from seqpar.backends import AttentionBackend, get_backend
+from seqpar.profiling import StorageTracker
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,38 +51,6 @@ from seqpar.backends import AttentionBackend, get_backend
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class _StorageTracker(TorchDispatchMode):
-    """Peak bytes of live tensor storages created by ATen ops while active (CPU memory)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _sweep(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._sweep()
-        # Views (and in-place/out= results) share an input's storage: not new memory.
-        inputs = {
-            t.untyped_storage()._cdata
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-        }
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                if storage._cdata not in self.live and storage._cdata not in inputs:
-                    self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
 
 
 class _TimedBackend:
@@ -175,7 +141,7 @@ def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
         fn()
         _sync(device)
         return torch.cuda.max_memory_allocated(device) - base
-    tracker = _StorageTracker()
+    tracker = StorageTracker()
     with tracker:
         fn()
     return tracker.peak

@@ -322,6 +322,9 @@ def test_cpu_varlen_plan_covers_every_path():
     assert any(b.needs_key_mask for b in plan.buckets), "no bucket with padded keys"
     plan = _plan([16] * 12, [16] * 12, causal=True)
     assert len(plan.buckets) == 1 and plan.buckets[0].q.start == 0, "uniform run is not a view"
+    assert plan.covers_all(192, 192), "a uniform run is not one call on views"
+    assert _plan([57], [40], causal=False).covers_all(57, 40)
+    assert not _plan([0, 57], [3, 40], causal=False).covers_all(57, 43)
     # Each packed token is covered exactly once.
     covered = torch.zeros(sum(lens), dtype=torch.int64)
     plan = _plan(lens, lens, causal=True)

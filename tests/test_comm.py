@@ -258,3 +258,35 @@ def _a2a_problem(draw):
 def test_all_to_all_round_trip_property(pools, world, problem):
     shape, sd, gd, dtype = problem
     assert all(pools(world).run(_round_trip, shape, sd, gd, dtype))
+
+
+def _memory_cases():
+    """Bytes allocated by one all_to_all: staging copy + output, i.e. 2x an aligned input."""
+    from seqpar.profiling import StorageTracker
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    H, D = 4 * n, 8
+    for B in (1, 3):
+        S = 16 * n
+        for sd, gd, local in [(2, 1, [B, S // n, H, D]), (1, 2, [B, S, H // n, D])]:
+            x = torch.randn(local, dtype=torch.float32, requires_grad=True)
+            with StorageTracker() as mem:
+                y = all_to_all(x, None, sd, gd, gather_size=S if gd == 1 else H)
+            assert mem.allocated <= 2 * x.nbytes, (B, sd, gd, mem.allocated, x.nbytes)
+            # Backward (the reverse all-to-all) is bounded the same way. (autograd.grad, since
+            # accumulating a strided gradient into x.grad would add autograd's own layout copy.)
+            g = torch.randn_like(y)
+            with StorageTracker() as mem:
+                (dx,) = torch.autograd.grad(y, x, g)
+            assert mem.allocated <= 2 * x.nbytes, ("backward", B, sd, gd, mem.allocated, x.nbytes)
+    # Unaligned: the output may be larger than the input; still exactly staging + output.
+    x = torch.randn(1, split_sizes(5 * n + 1, n)[r], 2 * n + 1, 8)
+    with StorageTracker() as mem:
+        y = all_to_all(x, None, 2, 1, gather_size=5 * n + 1)
+    assert mem.allocated == x.nbytes + y.numel() * y.element_size()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_memory_bound(pools, world):
+    assert all(pools(world).run(_memory_cases))

@@ -164,6 +164,16 @@ class _Plan:
     direct: list[tuple[int, int, int, int]]  # (start_q, len_q, start_k, len_k)
     buckets: list[_Bucket]
 
+    def covers_all(self, total_q: int, total_k: int) -> bool:
+        """Whether one kernel call on views sees every packed token (its outputs are the result)."""
+        if len(self.direct) + len(self.buckets) != 1:
+            return False
+        if self.direct:
+            return self.direct[0] == (0, total_q, 0, total_k)
+        b = self.buckets[0]
+        return (b.q.start == 0 and b.q.n * b.q.width == total_q
+                and b.k.start == 0 and b.k.n * b.k.width == total_k)
+
 
 def _bucket_ids(lens: Tensor) -> Tensor:
     """Bucket index of each length: exact up to _EXACT_UP_TO, then geometric."""
@@ -267,8 +277,17 @@ class CpuFlashBackend:
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
         total_q, h, _ = q.shape
-        out, lse = empty_forward(q, (h, total_q))
         plan = _plan(lens_q, lens_k, causal)
+        if plan.covers_all(total_q, k.shape[0]):  # one call, no copy into a packed buffer
+            if plan.direct:
+                o, l = _kernel_forward(q[None], k[None], v[None], causal, scale)
+                return o[0], l[0]
+            bucket = plan.buckets[0]
+            o, l = _kernel_forward(
+                bucket.q.take(q), bucket.k.take(k), bucket.k.take(v), causal, scale
+            )
+            return o.flatten(0, 1), l.transpose(0, 1).flatten(1, 2)
+        out, lse = empty_forward(q, (h, total_q))
         for s_q, l_q, s_k, l_k in plan.direct:
             o, l = _kernel_forward(
                 q[None, s_q:s_q + l_q], k[None, s_k:s_k + l_k], v[None, s_k:s_k + l_k],
@@ -305,8 +324,21 @@ class CpuFlashBackend:
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
         lse = lse_for_backward(lse, lse_dtype(q.dtype))  # [H, Tq]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         plan = _plan(lens_q, lens_k, causal)
+        if plan.covers_all(q.shape[0], k.shape[0]):  # one call, no copy into packed buffers
+            if plan.direct:
+                grads = _kernel_backward(dout[None], q[None], k[None], v[None], out[None],
+                                         lse[None], causal, scale)
+                return tuple(g[0] for g in grads)
+            bucket = plan.buckets[0]
+            n, width = bucket.q.n, bucket.q.width
+            grads = _kernel_backward(
+                bucket.q.take(dout), bucket.q.take(q), bucket.k.take(k), bucket.k.take(v),
+                bucket.q.take(out), lse.view(-1, n, width).transpose(0, 1).contiguous(),
+                causal, scale,
+            )
+            return tuple(g.flatten(0, 1) for g in grads)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s_q, l_q, s_k, l_k in plan.direct:
             sl_q, sl_k = slice(s_q, s_q + l_q), slice(s_k, s_k + l_k)
             g_q, g_k, g_v = _kernel_backward(
