@@ -28,13 +28,19 @@ def _check_size(name: str, value: object) -> int:
     return value
 
 
-def _new_group(ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGroup | None):
-    """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set."""
+def _new_group(ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGroup | None, local: bool):
+    """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set.
+
+    With the default group as parent every rank takes part in every ``new_group`` call, which
+    is torch's usual contract. With a sub-group as parent only its members call, so groups are
+    created with local synchronisation (torch then names them from the ranks and the number of
+    groups the process already has: the parent's members must have created the same number).
+    """
     if ranks == parent_ranks:
         return parent
-    # Local synchronisation: only the parent's ranks take part, so a state can be built on a
-    # sub-group while the rest of the world does something else.
-    return dist.new_group(ranks, use_local_synchronization=True)
+    if local:
+        return dist.new_group(ranks, use_local_synchronization=True)
+    return dist.new_group(ranks)
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -105,6 +111,7 @@ class ParallelState:
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"ParallelState: group must be a ProcessGroup or None, got {type(group).__name__}")
         parent = group if group is not None else dist.group.WORLD
+        local = group_size(parent) != dist.get_world_size()
         world = group_size(parent)
         if world % cp_size != 0:
             raise ValueError(
@@ -126,20 +133,20 @@ class ParallelState:
         # Every rank creates every group in the same order (new_group is collective).
         for dp in range(dp_size):
             ranks = [g(dp, r, u) for r in range(ring_size) for u in range(ulysses_size)]
-            pg = _new_group(ranks, parent_ranks, parent)
+            pg = _new_group(ranks, parent_ranks, parent, local)
             if dp == self.dp_rank:
                 self.cp_group = pg
         for dp in range(dp_size):
             for u in range(ulysses_size):
-                pg = _new_group([g(dp, r, u) for r in range(ring_size)], parent_ranks, parent)
+                pg = _new_group([g(dp, r, u) for r in range(ring_size)], parent_ranks, parent, local)
                 if (dp, u) == (self.dp_rank, self.ulysses_rank):
                     self.ring_group = pg
             for r in range(ring_size):
-                pg = _new_group([g(dp, r, u) for u in range(ulysses_size)], parent_ranks, parent)
+                pg = _new_group([g(dp, r, u) for u in range(ulysses_size)], parent_ranks, parent, local)
                 if (dp, r) == (self.dp_rank, self.ring_rank):
                     self.ulysses_group = pg
         for c in range(cp_size):
-            pg = _new_group([parent_ranks[dp * cp_size + c] for dp in range(dp_size)], parent_ranks, parent)
+            pg = _new_group([parent_ranks[dp * cp_size + c] for dp in range(dp_size)], parent_ranks, parent, local)
             if c == self.cp_rank:
                 self.dp_group = pg
 

@@ -62,13 +62,29 @@ def _errors():
         ParallelState(group=3)
     with pytest.raises(ValueError, match=r"ring_size must be a positive int, got 1.5"):
         ParallelState(ring_size=1.5)
-    # A sub-group as parent: states built on the first half of the ranks only.
-    sub = dist.new_group([0, 1])
-    if dist.get_rank() < 2:
-        s = ParallelState(ring_size=2, group=sub)
-        assert s.cp_size == 2 and s.ring_rank == dist.get_rank()
     return True
 
 
-def test_errors_and_subgroup(pools):
+def test_errors(pools):
     assert all(pools(4).run(_errors))
+
+
+def _subgroup_parent():
+    # Ranks 0-3 and 4-7 each build a state on their own half, independently.
+    half = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+    mine = half[dist.get_rank() // 4]
+    s = ParallelState(ring_size=2, ulysses_size=2, group=mine)
+    local = dist.get_rank() % 4
+    assert (s.cp_size, s.dp_size, s.cp_rank, s.ring_rank, s.ulysses_rank) == (4, 1, local, local // 2, local % 2)
+    assert dist.get_process_group_ranks(s.ring_group) == [dist.get_rank() - local + r * 2 + local % 2 for r in range(2)]
+    t = torch.ones(1)
+    dist.all_reduce(t, group=s.ulysses_group)
+    return t.item()
+
+
+def test_subgroup_parent():
+    # Its own pool: sub-group states change the process-group history of only some ranks.
+    from seqpar.testing import DistPool
+
+    with DistPool(8) as pool:
+        assert pool.run(_subgroup_parent) == [2.0] * 8
