@@ -45,6 +45,10 @@ __all__ = [
     "packed_positions",
     "packed_shard_lengths",
     "packed_placement_permutation",
+    "packed_ring_local_lengths",
+    "packed_ring_pieces",
+    "packed_local_tokens",
+    "zigzag_chunk_table",
     "check_seq_lens",
     "ranges_to_index",
 ]
@@ -168,34 +172,94 @@ def packed_ring_local_ranges(
     return out
 
 
+def _lens_tensor(seq_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.tensor(check_seq_lens(seq_lens), dtype=torch.long)
+
+
+def zigzag_chunk_table(lens: torch.Tensor, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sizes and start offsets (within its sequence) of every zig-zag chunk of every sequence.
+
+    Vectorised over sequences: chunk ``i`` of a length-``n`` sequence has ``n // 2R + (i < n % 2R)``
+    tokens (``split_sizes(n, 2R)``); with ``R == 1`` there is one chunk, the whole sequence.
+
+    Args:
+        lens: int64 ``[S]`` sequence lengths.
+        ring_size: ``R``.
+
+    Returns:
+        ``(sizes, starts)``, int64 ``[2R, S]`` (``[1, S]`` when ``R == 1``).
+    """
+    parts = 1 if ring_size == 1 else 2 * ring_size
+    base, extra = lens // parts, lens % parts
+    i = torch.arange(parts, dtype=torch.long)[:, None]
+    sizes = base[None, :] + (i < extra[None, :]).long()
+    starts = i * base[None, :] + torch.minimum(i, extra[None, :])
+    return sizes, starts
+
+
+def packed_ring_pieces(lens: torch.Tensor, ring_size: int, ring_rank: int) -> tuple[torch.Tensor, ...]:
+    """The two pieces ring rank ``r`` holds of every sequence: ``(first, second, first_start,
+    second_start)``, int64 ``[S]`` each (lengths and start offsets within the sequence; with
+    ``R == 1`` the first piece is the whole sequence and the second is empty)."""
+    sizes, starts = zigzag_chunk_table(lens, ring_size)
+    if ring_size == 1:
+        return sizes[0], torch.zeros_like(sizes[0]), starts[0], starts[0]
+    c = 2 * ring_size - 1 - ring_rank
+    return sizes[ring_rank], sizes[c], starts[ring_rank], starts[c]
+
+
+def packed_local_tokens(
+    lens: torch.Tensor, ring_size: int, ring_rank: int, ulysses_size: int, ulysses_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence index and position within that sequence of every token one CP rank holds.
+
+    Args:
+        lens: int64 ``[S]`` sequence lengths.
+
+    Returns:
+        ``(seq_ids, positions)``, int64 ``[T_local]`` each, in local order.
+    """
+    first, second, first_start, second_start = packed_ring_pieces(lens, ring_size, ring_rank)
+    per_seq = first + second
+    seq_end = torch.cumsum(per_seq, 0)  # ring-local end of each sequence
+    lo, hi = local_range(int(seq_end[-1]) if seq_end.numel() else 0, ulysses_size, ulysses_rank)
+    tokens = torch.arange(lo, hi)
+    ids = torch.searchsorted(seq_end, tokens, right=True)  # first sequence ending after the token
+    offset = tokens - (seq_end - per_seq)[ids]  # offset within the sequence's local pieces
+    in_first = offset < first[ids]
+    pos = torch.where(in_first, first_start[ids] + offset, second_start[ids] + offset - first[ids])
+    return ids, pos
+
+
 def packed_positions(
     seq_lens: Sequence[int], ring_size: int, ring_rank: int, ulysses_size: int, ulysses_rank: int
 ) -> torch.Tensor:
-    """Global packed positions of the tokens one CP rank holds, in local order, ``[T_local]``."""
-    ring_local = ranges_to_index(
-        [rg for per_seq in packed_ring_local_ranges(seq_lens, ring_size, ring_rank) for rg in per_seq]
-    )
-    a, b = local_range(len(ring_local), ulysses_size, ulysses_rank)
-    return ring_local[a:b]
+    """Global packed positions of the tokens one CP rank holds, in local order, ``[T_local]``.
+
+    Vectorised over sequences (no Python loop per sequence).
+    """
+    lens = _lens_tensor(seq_lens)
+    ids, pos = packed_local_tokens(lens, ring_size, ring_rank, ulysses_size, ulysses_rank)
+    seq_start = torch.cumsum(lens, 0) - lens
+    return seq_start[ids] + pos
+
+
+def packed_ring_local_lengths(seq_lens: Sequence[int], ring_size: int) -> list[int]:
+    """Ring-local token count of every ring rank (shared by its ``U`` Ulysses ranks)."""
+    sizes, _ = zigzag_chunk_table(_lens_tensor(seq_lens), ring_size)
+    per_chunk = sizes.sum(1)
+    ring = per_chunk if ring_size == 1 else per_chunk[:ring_size] + per_chunk.flip(0)[:ring_size]
+    return ring.tolist()
 
 
 def packed_shard_lengths(seq_lens: Sequence[int], ring_size: int, ulysses_size: int) -> list[int]:
     """Local token count of every CP rank (indexed by ``cp_rank``) for packed sequences."""
-    out = []
-    for r in range(ring_size):
-        ring_len = sum(ring_local_length(n, ring_size, r) for n in seq_lens)
-        out.extend(split_sizes(ring_len, ulysses_size))
-    return out
+    return [n for ring_len in packed_ring_local_lengths(seq_lens, ring_size) for n in split_sizes(ring_len, ulysses_size)]
 
 
 def packed_placement_permutation(
     seq_lens: Sequence[int], ring_size: int, ulysses_size: int
 ) -> torch.Tensor:
     """Packed analogue of :func:`placement_permutation`, ``[T]`` int64 with ``T = sum(seq_lens)``."""
-    ranges = [
-        rg
-        for r in range(ring_size)
-        for per_seq in packed_ring_local_ranges(seq_lens, ring_size, r)
-        for rg in per_seq
-    ]
-    return ranges_to_index(ranges)
+    parts = [packed_positions(seq_lens, ring_size, r, 1, 0) for r in range(ring_size)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

@@ -51,7 +51,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import check_seq_lens, local_range, split_sizes
+from .layout import (
+    check_seq_lens,
+    local_range,
+    packed_local_tokens,
+    packed_ring_local_lengths,
+    packed_ring_pieces,
+    split_sizes,
+    zigzag_chunk_table,
+)
 from .state import ParallelState
 
 __all__ = [
@@ -115,20 +123,6 @@ def _lens(seq_lens: Sequence[int] | torch.Tensor, where: str) -> torch.Tensor:
     return torch.tensor(lens, dtype=torch.long)
 
 
-def _chunk_table(lens: torch.Tensor, ring_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sizes and start offsets (within the sequence) of every zig-zag chunk, each ``[2R, S]``.
-
-    Chunk ``i`` of a length-``n`` sequence has ``n // 2R + (i < n % 2R)`` tokens
-    (``split_sizes(n, 2R)``); with ``R == 1`` there is one chunk, the whole sequence.
-    """
-    parts = 1 if ring_size == 1 else 2 * ring_size
-    base, extra = lens // parts, lens % parts
-    i = torch.arange(parts, dtype=torch.long)[:, None]
-    sizes = base[None, :] + (i < extra[None, :]).long()
-    starts = i * base[None, :] + torch.minimum(i, extra[None, :])
-    return sizes, starts
-
-
 def zigzag_pieces(
     seq_lens: Sequence[int] | torch.Tensor, ring_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +143,7 @@ def zigzag_pieces(
     where = "zigzag_pieces"
     ring_size = _positive(ring_size, "ring_size", where)
     lens = _lens(seq_lens, where)
-    sizes, _ = _chunk_table(lens, ring_size)
+    sizes, _ = zigzag_chunk_table(lens, ring_size)
     if ring_size == 1:
         return sizes, torch.zeros_like(sizes)
     return sizes[:ring_size], sizes.flip(0)[:ring_size]
@@ -161,34 +155,22 @@ def ring_local_lengths(seq_lens: Sequence[int] | torch.Tensor, ring_size: int) -
     Raises:
         ValueError: as :func:`zigzag_pieces`.
     """
-    first, second = zigzag_pieces(seq_lens, ring_size)
-    return (first + second).sum(1).tolist()
+    try:
+        return packed_ring_local_lengths(seq_lens, _positive(ring_size, "ring_size", "ring_local_lengths"))
+    except ValueError as e:
+        raise ValueError(f"ring_local_lengths: {e}") from None
 
 
 def shard_token_counts(seq_lens: Sequence[int] | torch.Tensor, sizes: Sizes) -> list[int]:
     """Local token count of every CP rank, indexed by ``cp_rank``.
 
-    The same numbers as ``layout.packed_shard_lengths``, computed without a Python loop over
-    sequences (it runs on every call of ``varlen_attention``).
+    ``layout.packed_shard_lengths`` (vectorised over sequences) taking a state or sizes.
 
     Raises:
         ValueError: bad lengths or sizes.
     """
     R, U = _sizes(sizes, "shard_token_counts")
     return [n for ring_len in ring_local_lengths(seq_lens, R) for n in split_sizes(ring_len, U)]
-
-
-def _local_window(lens: torch.Tensor, R: int, r: int, U: int, u: int):
-    """Ring-local piece lengths of ring rank ``r`` and the ``[lo, hi)`` token window of ``u``."""
-    sizes, starts = _chunk_table(lens, R)
-    if R == 1:
-        first, second = sizes[0], torch.zeros_like(sizes[0])
-        first_start, second_start = starts[0], starts[0]
-    else:
-        first, second = sizes[r], sizes[2 * R - 1 - r]
-        first_start, second_start = starts[r], starts[2 * R - 1 - r]
-    lo, hi = local_range(int((first + second).sum()), U, u)
-    return first, second, first_start, second_start, lo, hi
 
 
 def local_seq_lens(seq_lens: Sequence[int] | torch.Tensor, coords: Coords) -> torch.Tensor:
@@ -207,8 +189,10 @@ def local_seq_lens(seq_lens: Sequence[int] | torch.Tensor, coords: Coords) -> to
     """
     where = "local_seq_lens"
     lens = _lens(seq_lens, where)
-    first, second, _, _, lo, hi = _local_window(lens, *_coords(coords, where))
+    R, r, U, u = _coords(coords, where)
+    first, second, _, _ = packed_ring_pieces(lens, R, r)
     ends = torch.cumsum(first + second, 0)
+    lo, hi = local_range(int(ends[-1]) if ends.numel() else 0, U, u)
     starts = ends - (first + second)
     return (ends.clamp(max=hi) - starts.clamp(min=lo)).clamp(min=0)
 
@@ -247,16 +231,7 @@ def local_cu_seqlens(
 
 def _local_tokens(seq_lens: Sequence[int] | torch.Tensor, coords: Coords, where: str):
     """Sequence id and position within its sequence of every local token, both ``[T_local]``."""
-    lens = _lens(seq_lens, where)
-    first, second, first_start, second_start, lo, hi = _local_window(lens, *_coords(coords, where))
-    per_seq = first + second
-    seq_end = torch.cumsum(per_seq, 0)  # ring-local end of each sequence
-    tokens = torch.arange(lo, hi)
-    ids = torch.searchsorted(seq_end, tokens, right=True)  # first sequence ending after the token
-    offset = tokens - (seq_end - per_seq)[ids]  # offset within the sequence's local pieces
-    in_first = offset < first[ids]
-    pos = torch.where(in_first, first_start[ids] + offset, second_start[ids] + offset - first[ids])
-    return ids, pos
+    return packed_local_tokens(_lens(seq_lens, where), *_coords(coords, where))
 
 
 def local_positions(
@@ -334,7 +309,7 @@ def varlen_work(
     where = "varlen_work"
     R, U = _sizes(sizes, where)
     lens = _lens(seq_lens, where)
-    chunk_sizes, starts = _chunk_table(lens, R)
+    chunk_sizes, starts = zigzag_chunk_table(lens, R)
     if causal:
         per_chunk = _causal_pairs(chunk_sizes, starts)
     else:
