@@ -1,8 +1,8 @@
 """seqpar: exact sequence/context parallelism for attention in PyTorch."""
 
-from . import comm, layout
+from . import comm, layout, training
 from .hybrid import SequenceParallelAttention, attention
-from .sdpa import parallel_sdpa
+from .sdpa import local_sdpa, parallel_sdpa
 from .sharding import shard, shard_packed, shard_positions, unshard, unshard_packed
 from .state import ParallelState
 from .varlen import varlen_attention
@@ -22,4 +22,6 @@ __all__ = [
     "varlen_attention",
     "SequenceParallelAttention",
     "parallel_sdpa",
+    "local_sdpa",
+    "training",
 ]
