@@ -279,6 +279,18 @@ def _memory_cases():
             with StorageTracker() as mem:
                 (dx,) = torch.autograd.grad(y, x, g)
             assert mem.allocated <= 2 * x.nbytes, ("backward", B, sd, gd, mem.allocated, x.nbytes)
+    # Fused q, k, v: 2x forward; backward stages the output gradients directly (no combined
+    # buffer), so staging + receive + one copy out per input = 3x.
+    S = 8 * n
+    xs = [torch.randn(2, S // n, h, D, requires_grad=True) for h in (2 * n, n, n)]
+    total = sum(x.nbytes for x in xs)
+    with StorageTracker() as mem:
+        ys = all_to_all_many(xs, None, 2, 1, gather_size=S)
+    assert mem.allocated <= 2 * total, ("fused", mem.allocated, total)
+    gs = [torch.randn_like(y) for y in ys]
+    with StorageTracker() as mem:
+        torch.autograd.grad(ys, xs, gs)
+    assert mem.allocated <= 3 * total, ("fused backward", mem.allocated, total)
     # Unaligned: the output may be larger than the input; still exactly staging + output.
     x = torch.randn(1, split_sizes(5 * n + 1, n)[r], 2 * n + 1, 8)
     with StorageTracker() as mem:

@@ -16,13 +16,16 @@ Bytes allocated: the staging copy plus the output, 2x the input. The price is th
 strided view (contiguous only when every dim before ``gather_dim`` has size 1, e.g. the Ulysses
 ``[1, S/N, H, D] -> [1, S, H/N, D]`` direction); call ``.contiguous()`` if a later op needs it.
 
-The backward of an all-to-all is the all-to-all with the two dims swapped; for the fused form and
-overlapping ranges, received gradient pieces are added into their ranges.
+The backward of an all-to-all is the all-to-all with the two dims swapped. For the fused form the
+output gradients are staged directly (stacked along the forward's scatter dim, which the reverse
+gathers), and each input's gradient is cut out of the received buffer; pieces of overlapping ranges
+are added.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -51,35 +54,52 @@ def _exchange(
     gather_dim: int,
     ranges: Sequence[Ranges],
     gather_sizes: Sequence[int],
+    stack: Literal["scatter", "gather"] = "scatter",
 ) -> torch.Tensor:
     """No-grad core. Returns the combined output in the input's dim order (a strided view).
 
-    ``xs`` share every dim but ``scatter_dim``; the output's scatter dim concatenates, for this
-    rank, tensor 0's piece, then tensor 1's, ...; its gather dim has ``sum(gather_sizes)`` elements.
+    Several tensors travel in one collective, stacked in every rank's block along ``stack``:
+
+    - ``"scatter"``: ``xs`` share every dim but ``scatter_dim`` and each has its own ``ranges``;
+      the output's scatter dim holds, for this rank, tensor 0's piece, then tensor 1's, ...;
+    - ``"gather"``: ``xs`` share every dim but ``gather_dim`` and ``ranges`` holds one list for
+      all of them; each source's block holds tensor 0's rows, then tensor 1's, ... along the
+      gather dim, and ``gather_sizes[i]`` is the total of source ``i``'s rows.
+
+    The output's gather dim has ``sum(gather_sizes)`` elements, source-major.
     """
     n, me = group_size(group), group_rank(group)
     x0 = xs[0]
     sd_m = _moved_dim(scatter_dim, gather_dim)
-    base = _moved_shape(x0.shape, gather_dim)  # [g_me, ...], scatter entry replaced per piece
-    lens = [sum(r[j][1] for r in ranges) for j in range(n)]  # combined scatter length per rank
+    base = _moved_shape(x0.shape, gather_dim)  # [g, ...]: dim 0 and the scatter entry vary
+    if stack == "scatter":
+        lens = [sum(r[j][1] for r in ranges) for j in range(n)]  # scatter length per rank
+        local_rows = x0.shape[gather_dim]
+    else:
+        lens = [ranges[0][j][1] for j in range(n)]
+        local_rows = sum(x.shape[gather_dim] for x in xs)
 
     def block_shape(g: int, length: int) -> list[int]:
         shape = list(base)
         shape[0], shape[sd_m] = g, length
         return shape
 
-    send_shapes = [block_shape(x0.shape[gather_dim], lens[j]) for j in range(n)]
+    send_shapes = [block_shape(local_rows, lens[j]) for j in range(n)]
     send_numel = [torch.Size(s).numel() for s in send_shapes]
     staging = torch.empty(sum(send_numel), dtype=x0.dtype, device=x0.device)
     for j, off in enumerate(offsets(send_numel)[:-1]):
         block = staging[off : off + send_numel[j]].view(send_shapes[j])
         sub = 0
-        for x, r in zip(xs, ranges):
-            start, length = r[j]
-            if length:
-                piece = x.narrow(scatter_dim, start, length).movedim(gather_dim, 0)
-                block.narrow(sd_m, sub, length).copy_(piece)
-            sub += length
+        for t, x in enumerate(xs):
+            start, length = ranges[t if stack == "scatter" else 0][j]
+            piece = x.narrow(scatter_dim, start, length).movedim(gather_dim, 0)
+            if stack == "scatter":
+                if length:
+                    block.narrow(sd_m, sub, length).copy_(piece)
+                sub += length
+            else:
+                block.narrow(0, sub, piece.shape[0]).copy_(piece)
+                sub += piece.shape[0]
 
     recv_shapes = [block_shape(g, lens[me]) for g in gather_sizes]
     recv_numel = [torch.Size(s).numel() for s in recv_shapes]
@@ -104,6 +124,8 @@ class _AllToAll(torch.autograd.Function):
         for r in ranges:
             outs.append(combined.narrow(scatter_dim, sub, r[me][1]))
             sub += r[me][1]
+        ctx.out_shapes = [o.shape for o in outs]
+        ctx.dtype, ctx.device = combined.dtype, combined.device
         return tuple(outs)
 
     @staticmethod
@@ -111,22 +133,14 @@ class _AllToAll(torch.autograd.Function):
         group, sd, gd, ranges = ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.ranges
         n, me = group_size(group), group_rank(group)
         lens = [sum(r[j][1] for r in ranges) for j in range(n)]
-        # Combined gradient of this rank's output: [.., G at gather_dim, .., lens[me] at scatter_dim].
-        if len(grads) == 1 and grads[0] is not None:
-            g = grads[0]
-        else:
-            ref = next(t for t in grads if t is not None)
-            shape = list(ref.shape)
-            shape[sd] = lens[me]
-            g = ref.new_zeros(shape)
-            sub = 0
-            for t, r in zip(grads, ranges):
-                if t is not None:
-                    g.narrow(sd, sub, r[me][1]).copy_(t)
-                sub += r[me][1]
-        # Reverse: scatter the gather dim back to its owners, gather the scatter dim.
+        # Each output's gradient goes straight into the staging buffer, stacked along the
+        # reverse's gather dim (the forward's scatter dim): no combined gradient buffer.
+        grads = [
+            g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+            for g, shape in zip(grads, ctx.out_shapes)
+        ]
         back_ranges = [list(zip(offsets(ctx.gather_sizes)[:-1], ctx.gather_sizes))]
-        back = _exchange([g], group, gd, sd, back_ranges, lens)
+        back = _exchange(grads, group, gd, sd, back_ranges, lens, stack="gather")
         # back: [.., gather_sizes[me] at gather_dim, .., sum(lens) at scatter_dim], source-major.
         if len(ranges) == 1 and _is_partition(ranges[0], ctx.shapes[0][sd]):
             dxs = [back]
@@ -135,12 +149,18 @@ class _AllToAll(torch.autograd.Function):
             lens_off = offsets(lens)
             sub_off = [0] * n
             for shape, r in zip(ctx.shapes, ranges):
-                dx = back.new_zeros(shape)
+                # A partition is written once per element; overlapping ranges are summed.
+                partition = _is_partition(r, shape[sd])
+                dx = back.new_empty(shape) if partition else back.new_zeros(shape)
                 for j in range(n):
                     start, length = r[j]
                     if length:
                         src = back.narrow(sd, lens_off[j] + sub_off[j], length)
-                        dx.narrow(sd, start, length).add_(src)
+                        target = dx.narrow(sd, start, length)
+                        if partition:
+                            target.copy_(src)
+                        else:
+                            target.add_(src)
                     sub_off[j] += length
                 dxs.append(dx)
         # No gradient for group, scatter_dim, gather_dim, ranges, gather_sizes.
