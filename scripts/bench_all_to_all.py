@@ -22,35 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from seqpar.comm import all_to_all, split_sizes
-from seqpar.profiling import StorageTracker
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn, iters: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    # The collective finishes when its slowest rank does.
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+from seqpar.profiling import StorageTracker, median_seconds
 
 
 def _cases(args: argparse.Namespace, n: int) -> list[dict]:
@@ -78,15 +55,15 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
     with StorageTracker() as mem:
         y = all_to_all(x, None, sd, gd, gather_size=shape[gd])
     del y
-    seconds = _median_seconds(lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd]), iters, device)
+    seconds = median_seconds(lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd]), iters, device)
     # Bare collective: same total bytes, equal splits, preallocated contiguous buffers.
-    numel = torch.tensor([x.numel()])
+    numel = torch.tensor([x.numel()], device=device)
     dist.all_reduce(numel, op=dist.ReduceOp.MAX)  # equal sizes on every rank
     per = -(-int(numel.item()) // n)
     src = torch.empty(per * n, device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    bare = _median_seconds(lambda: dist.all_to_all_single(dst, src, group=None), iters, device)
-    alloc = torch.tensor([mem.allocated / max(x.nbytes, 1)], dtype=torch.float64)
+    bare = median_seconds(lambda: dist.all_to_all_single(dst, src, group=None), iters, device)
+    alloc = torch.tensor([mem.allocated / max(x.nbytes, 1)], dtype=torch.float64, device=device)
     dist.all_reduce(alloc, op=dist.ReduceOp.MAX)
     return {
         "case": case["name"],

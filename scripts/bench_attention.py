@@ -29,9 +29,7 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,16 +39,11 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.backends import AttentionBackend, get_backend
-from seqpar.profiling import StorageTracker
+from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes, sync
 
 
 # ---------------------------------------------------------------------------------------------
 # Measurement helpers
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _TimedBackend:
@@ -76,7 +69,7 @@ class _TimedBackend:
         return out
 
     def total_seconds(self) -> float:
-        _sync(self.device)
+        sync(self.device)
         self.seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3
         self._pending = []
         return self.seconds
@@ -116,40 +109,18 @@ def _seconds(
 ) -> tuple[float, float]:
     """``(median, min)`` over ``iters`` of the time of ``fn`` after one warm-up; all ranks start
     each iteration together, and with ``slowest`` each iteration counts the slowest rank."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if dist.is_initialized():
-            dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    if dist.is_initialized() and slowest:
-        t = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times = t.tolist()
+    times = iteration_seconds(fn, iters, device)
+    if slowest:
+        times = max_over_ranks(times, device)
     return statistics.median(times), min(times)
 
 
 def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+    """Peak tensor bytes while ``fn`` runs (``seqpar.profiling.PeakMemory``: the CUDA allocator's
+    high-water mark, on CPU the live storages created by ATen ops)."""
+    with PeakMemory(device) as mem:
         fn()
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    tracker = StorageTracker()
-    with tracker:
-        fn()
-    return tracker.peak
-
-
-def _maxrss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+    return mem.peak
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +184,7 @@ def bench_rank(p: dict, configs: list[tuple[str, int, int]]) -> list[dict]:
         peak = _peak_bytes(step, device)
         row = {
             "config": name, "ring": R, "ulysses": U, "rank": dist.get_rank(),
-            "time_ms": 1e3 * seconds, "min_time_ms": 1e3 * best, "peak_bytes": peak, "maxrss_bytes": _maxrss_bytes(),
+            "time_ms": 1e3 * seconds, "min_time_ms": 1e3 * best, "peak_bytes": peak, "maxrss_bytes": maxrss_bytes(),
             "kernel_ms": 1e3 * kernel_s, "kernel_calls": len(calls),
         }
         if R > 1:

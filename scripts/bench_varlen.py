@@ -31,7 +31,6 @@ import os
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import seqpar  # noqa: E402
+from seqpar.profiling import PeakMemory, iteration_seconds  # noqa: E402
 from seqpar.varlen import varlen_work  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,64 +69,6 @@ def mix_summary(lens: list[int]) -> dict:
     }
 
 
-def _peak_reset(device: torch.device) -> int | None:
-    """Reset the peak-memory counter; return the current baseline in bytes (None if unknown)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    try:
-        _release_free_memory()
-        # Linux: writing 5 to clear_refs resets the resident-set high-water mark (VmHWM).
-        Path("/proc/self/clear_refs").write_text("5")
-        return _proc_status("VmRSS")
-    except OSError:
-        return None
-
-
-def _release_free_memory() -> None:
-    """Make the resident set follow live tensors: map large blocks, return free pages to the OS.
-
-    glibc raises its mmap threshold after the first large free and then keeps freed blocks
-    resident for reuse, so the resident high-water mark would miss most allocations. We fix the
-    threshold at 64 KiB (blocks above it are unmapped on free) and ``malloc_trim(0)`` the free
-    pages already held, so every page a tensor touches after this counts (page granularity).
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        raise OSError("libc not found")
-    libc = ctypes.CDLL(name)
-    m_mmap_threshold = -3
-    if libc.mallopt(m_mmap_threshold, 64 * 1024) != 1:
-        raise OSError("mallopt(M_MMAP_THRESHOLD) failed")
-    libc.malloc_trim(0)
-
-
-def _proc_status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise OSError(field)
-
-
-def _peak_since(device: torch.device, base: int | None) -> int | None:
-    """Peak bytes above ``base`` since :func:`_peak_reset` (device memory or resident set)."""
-    if base is None:
-        return None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    return _proc_status("VmHWM") - base
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _inputs(cfg: dict, device: torch.device):
     lens = cfg["lens"]
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -136,22 +78,13 @@ def _inputs(cfg: dict, device: torch.device):
     return q, k, v, dout
 
 
-def _time(fn, device: torch.device, iters: int, warmup: int, barrier) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, together: bool) -> dict:
+    """Time and memory of this rank's varlen_attention on its shard of the configured batch.
 
-
-def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, barrier) -> dict:
-    """Time and memory of this rank's varlen_attention on its shard of the configured batch."""
+    With ``together``, all ranks start each timed call at once (a barrier); the unsharded
+    baseline runs alone. Peak memory: ``PeakMemory(resident=True)`` over the timed fwd+bwd calls
+    (the CUDA allocator's high-water mark, or the CPU process's resident set).
+    """
     lens, causal = cfg["lens"], cfg["causal"]
     q, k, v, dout = _inputs(cfg, device)
     ql, kl, vl, dl = (seqpar.shard_packed(t, state, lens) for t in (q, k, v, dout))
@@ -166,23 +99,22 @@ def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, barrie
         out = seqpar.varlen_attention(ql, kl, vl, state, lens, causal=causal, backend=cfg["backend"])
         torch.autograd.grad(out, (ql, kl, vl), dl)
 
-    fwd = _time(forward, device, cfg["iters"], cfg["warmup"], barrier)
-    _time(forward_backward, device, 0, cfg["warmup"], barrier)
-    base = _peak_reset(device)
-    fwd_bwd = _time(forward_backward, device, cfg["iters"], 0, barrier)
-    peak = _peak_since(device, base)
+    fwd = iteration_seconds(forward, cfg["iters"], device, warmup=cfg["warmup"], barrier=together)
+    iteration_seconds(forward_backward, 0, device, warmup=cfg["warmup"], barrier=together)
+    with PeakMemory(device, resident=True) as mem:
+        fwd_bwd = iteration_seconds(forward_backward, cfg["iters"], device, warmup=0, barrier=together)
     return {
         "tokens": ql.shape[0],
         "fwd_s": statistics.median(fwd),
         "fwd_bwd_s": statistics.median(fwd_bwd),
-        "peak_bytes": peak,
+        "peak_bytes": mem.peak,
     }
 
 
 def _pool_rank(cfg: dict, R: int, U: int) -> dict:
     """Runs on every rank of the local pool (module level so that it pickles)."""
     state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
-    return measure(cfg, state, torch.device("cpu"), lambda: dist.barrier())
+    return measure(cfg, state, torch.device("cpu"), together=True)
 
 
 def _parse_configs(text: str) -> list[tuple[int, int]]:
@@ -283,12 +215,12 @@ def main(argv: list[str] | None = None) -> None:
 
     base = None
     if rank == 0:
-        base = measure(cfg, seqpar.ParallelState(), device, lambda: None)
+        base = measure(cfg, seqpar.ParallelState(), device, together=False)
     results = []
     if torchrun:
         for R, U in configs:
             state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
-            mine = measure(cfg, state, device, dist.barrier)
+            mine = measure(cfg, state, device, together=True)
             gathered = [None] * world
             dist.all_gather_object(gathered, mine)
             if rank == 0:

@@ -23,24 +23,21 @@ clips and exits non-zero if any step's loss or gradient norm differs by more tha
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+from _train_harness import Plot, add_check_args, add_parallel_args, finish, launch, parallel_state, train_loop
 
 import seqpar
 from seqpar.models import VideoDiT, patchify
-from seqpar.training import global_loss, sharded_mean, wrap_ddp
+from seqpar.training import sharded_mean, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--ring", type=int, default=2, help="ring size R")
-    p.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
+    add_parallel_args(p)
     p.add_argument(
         "--grid", type=int, nargs=3, default=(13, 9, 15), metavar=("T", "H", "W"), help="token grid"
     )
@@ -51,13 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=48)
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--heads", type=int, default=3, help="attention heads (3: not a multiple of U=2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check", action="store_true", help="compare the first steps with one device")
-    p.add_argument("--check-steps", type=int, default=5)
-    p.add_argument(
-        "--tol", type=float, default=1e-4, help="max relative difference of loss and gradient norm in --check"
-    )
-    p.add_argument("--plot", default=None, help="save the loss curve to this image path")
+    add_check_args(p, check_steps=5)
     return p.parse_args(argv)
 
 
@@ -102,141 +93,45 @@ def new_model(args: argparse.Namespace, device: torch.device) -> VideoDiT:
     ).to(device)
 
 
-def grad_norm(model: torch.nn.Module) -> float:
-    """L2 norm of all parameter gradients (sensitive to the gradient scale, unlike Adam's steps)."""
-    return torch.linalg.vector_norm(
-        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-    ).item()
-
-
-def reference_losses(
-    args: argparse.Namespace, dp_size: int, device: torch.device
-) -> tuple[list[float], list[float]]:
-    """The first ``--check-steps`` steps on one device: per step, the mean over replicas of their
-    mean loss and the gradient norm."""
-    model = new_model(args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses, norms = [], []
-    for step in range(args.check_steps):
-        total = 0.0
-        opt.zero_grad(set_to_none=True)
-        for replica in range(dp_size):
-            xt, t, v = (x.to(device) for x in make_batch(args, step, replica))
-            loss = ((model(xt, t) - v) ** 2).mean() / dp_size
-            loss.backward()
-            total += loss.item()
-        norms.append(grad_norm(model))
-        opt.step()
-        losses.append(total)
-    return losses, norms
-
-
-def plot(path: str, losses: list[float], reference: list[float] | None, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(len(losses)), losses, label="context parallel (parallel_sdpa)")
-    if reference:
-        ax.plot(range(len(reference)), reference, "o", mfc="none", label="single device (--check)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("flow-matching MSE")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.check_steps = min(args.check_steps, args.steps)
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
-    try:
-        return train(args, device)
-    finally:
-        dist.destroy_process_group()
+    return launch(parse_args(argv), train)
 
 
 def train(args: argparse.Namespace, device: torch.device) -> int:
-    from tqdm import tqdm
-
-    try:
-        state = seqpar.ParallelState(args.ring, args.ulysses)
-    except ValueError as e:
-        raise SystemExit(f"train_dit: {e}") from None
-    rank = dist.get_rank()
+    state = parallel_state("train_dit", args)
     model = wrap_ddp(new_model(args, device), state)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     num_tokens = args.grid[0] * args.grid[1] * args.grid[2]
     positions = seqpar.shard_positions(num_tokens, state, device)
-    losses, norms = [], []
-    bar = tqdm(
-        range(args.steps), disable=rank != 0, desc=f"train_dit ring {args.ring} x ulysses {args.ulysses}"
-    )
-    for step in bar:
+
+    def loss_share(step: int) -> torch.Tensor:
+        """This rank's share of the step's global mean squared error."""
         xt, t, v = (x.to(device) for x in make_batch(args, step, state.dp_rank))
         with seqpar.parallel_sdpa(state, seq_len=num_tokens):
             pred = model(seqpar.shard(xt, state), t, positions)  # [B, S_local, P]
-        share = sharded_mean((pred - seqpar.shard(v, state)) ** 2, state)
-        opt.zero_grad(set_to_none=True)
-        share.backward()  # DDP: gradients summed over CP, averaged over DP
-        norms.append(grad_norm(model))
-        opt.step()
-        losses.append(global_loss(share, state).item())
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        return sharded_mean((pred - seqpar.shard(v, state)) ** 2, state)
 
-    ok = torch.ones(1, device=device)
-    reference = None
-    if args.check:
-        if rank == 0:
-            reference, ref_norms = reference_losses(args, state.dp_size, device)
-            diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
-            norm_diffs = [abs(a - b) / b for a, b in zip(norms, ref_norms)]
-            worst = max(diffs + norm_diffs)
-            if worst > args.tol:
-                print(
-                    "\n"
-                    + "!" * 72
-                    + f"\ntrain_dit --check FAILED: context-parallel training differs from the single-device run\n"
-                    f"  max relative difference {worst:.3e} > tol {args.tol:.1e}\n"
-                    f"  loss, context parallel:      {[round(x, 6) for x in losses[: args.check_steps]]}\n"
-                    f"  loss, single device:         {[round(x, 6) for x in reference]}\n"
-                    f"  grad norm, context parallel: {[round(x, 6) for x in norms[: args.check_steps]]}\n"
-                    f"  grad norm, single device:    {[round(x, 6) for x in ref_norms]}\n" + "!" * 72,
-                    file=sys.stderr,
-                    flush=True,
-                )
-                ok.zero_()
-            else:
-                print(
-                    f"train_dit --check OK: {args.check_steps} steps, max relative difference of loss and "
-                    f"gradient norm {worst:.2e} "
-                    f"(tol {args.tol:.0e}) vs single device",
-                    flush=True,
-                )
-        dist.broadcast(ok, src=0)
-    if rank == 0:
-        print(f"train_dit: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps", flush=True)
-        if args.plot:
-            grid = "x".join(map(str, args.grid))
-            plot(
-                args.plot,
-                losses,
-                reference,
-                f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses}",
-            )
-            print(f"train_dit: plot saved to {args.plot}", flush=True)
-    return 0 if bool(ok.item()) else 1
+    def replica_loss(ref: torch.nn.Module, step: int, replica: int) -> torch.Tensor:
+        """``--check``: the mean squared error on one replica's unsharded clips."""
+        xt, t, v = (x.to(device) for x in make_batch(args, step, replica))
+        return ((ref(xt, t) - v) ** 2).mean()
+
+    losses, norms = train_loop("train_dit", args, state, model, loss_share)
+    grid = "x".join(map(str, args.grid))
+    return finish(
+        "train_dit",
+        args,
+        state,
+        device,
+        losses,
+        norms,
+        reference_model=lambda: new_model(args, device),
+        replica_loss=replica_loss,
+        plot_style=Plot(
+            f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses}",
+            ylabel="flow-matching MSE",
+            label="context parallel (parallel_sdpa)",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -1,21 +1,115 @@
-"""Measure the tensor memory an operation allocates, on any device (benchmarks and tests).
+"""Measure the time and the memory of an operation, on any device (benchmarks and tests).
 
-``StorageTracker`` is a ``TorchDispatchMode``: every ATen op run while it is active is inspected,
-and each storage that an op's outputs bring into existence (not a view of, or an in-place/out=
-write to, an input) is counted -- ``allocated`` sums them, ``current``/``peak`` follow the ones
-still alive (weak references), so ``peak`` is the high-water mark of tensor memory created inside
-the block. Kernel scratch that never becomes a tensor is not seen. Collectives that write into
-preallocated outputs allocate nothing of their own.
+Time: ``iteration_seconds`` times each call of a function, every rank starting each call together
+and the device synchronised around it; ``max_over_ranks`` takes the slowest rank per iteration and
+``median_seconds`` the slowest rank's median (a collective finishes when its slowest rank does).
+
+Memory: ``StorageTracker`` is a ``TorchDispatchMode``: every ATen op run while it is active is
+inspected, and each storage that an op's outputs bring into existence (not a view of, or an
+in-place/out= write to, an input) is counted -- ``allocated`` sums them, ``current``/``peak``
+follow the ones still alive (weak references), so ``peak`` is the high-water mark of tensor
+memory created inside the block. Kernel scratch that never becomes a tensor is not seen.
+Collectives that write into preallocated outputs allocate nothing of their own. ``PeakMemory``
+picks a peak measure per device (the CUDA allocator's, ``StorageTracker``'s, or the resident
+set's); ``maxrss_bytes`` is the process's resident high-water mark since it started.
 """
 
 from __future__ import annotations
 
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["StorageTracker"]
+__all__ = [
+    "PeakMemory",
+    "StorageTracker",
+    "iteration_seconds",
+    "max_over_ranks",
+    "maxrss_bytes",
+    "median_seconds",
+    "sync",
+]
+
+
+def sync(device: torch.device) -> None:
+    """Wait until the work queued on ``device`` is done (CUDA); CPU ops run eagerly, a no-op."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def iteration_seconds(
+    fn: Callable[[], object],
+    iters: int,
+    device: torch.device,
+    *,
+    warmup: int = 1,
+    barrier: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """Wall-clock seconds of each of ``iters`` calls of ``fn`` on this rank, after ``warmup``
+    untimed calls.
+
+    Each timed call starts after a barrier of ``group`` (the default group for ``None``) when
+    ``barrier`` is set and a process group is initialised, so that all ranks start it together;
+    ``device`` is synchronised before and after the call, so a time covers the device work that
+    ``fn`` queued. Pass ``barrier=False`` when only some ranks of the group time ``fn``.
+
+    Returns:
+        ``iters`` times in seconds, in call order (this rank's only; see :func:`max_over_ranks`).
+    """
+    for _ in range(warmup):
+        fn()
+    together = barrier and dist.is_initialized()
+    times = []
+    for _ in range(iters):
+        if together:
+            dist.barrier(group=group)
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def max_over_ranks(
+    seconds: list[float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """Element-wise maximum of ``seconds`` over the ranks of ``group`` (a collective: every rank
+    passes as many values): per iteration, the slowest rank's time. Unchanged without a process
+    group. ``device`` holds the reduction's buffer (the backend's device, e.g. CUDA for NCCL)."""
+    if not dist.is_initialized():
+        return list(seconds)
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def median_seconds(
+    fn: Callable[[], object], iters: int, device: torch.device, group: dist.ProcessGroup | None = None
+) -> float:
+    """The slowest rank's median time of ``fn``, in seconds.
+
+    Each rank takes the median of ``iters`` timed calls (after one warm-up; every call started
+    together and synchronised, see :func:`iteration_seconds`); the result is the largest of
+    these medians over the ranks of ``group`` -- a collective finishes when its slowest rank
+    does. A collective itself; without a process group, this process's median.
+
+    Raises:
+        ValueError: if ``iters < 1``.
+    """
+    if iters < 1:
+        raise ValueError(f"median_seconds needs iters >= 1 timed calls, got iters={iters}")
+    mine = statistics.median(iteration_seconds(fn, iters, device, group=group))
+    return max_over_ranks([mine], device, group)[0]
 
 
 class StorageTracker(TorchDispatchMode):
@@ -60,3 +154,107 @@ class StorageTracker(TorchDispatchMode):
                     self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
+
+
+def maxrss_bytes() -> int:
+    """The resident-set high-water mark of this process since it started (``ru_maxrss``), in
+    bytes (Unix)."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _release_free_memory() -> None:
+    """Make the resident set follow live allocations: map large blocks, return free pages to the OS.
+
+    glibc raises its mmap threshold after the first large free and then keeps freed blocks
+    resident for reuse, so the resident high-water mark would miss most allocations. We fix the
+    threshold at 64 KiB (blocks above it are unmapped on free) and ``malloc_trim(0)`` the free
+    pages already held, so every page a tensor touches after this counts (page granularity).
+
+    Raises:
+        OSError: without glibc (no libc found, or ``mallopt`` refused).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        raise OSError("libc not found")
+    libc = ctypes.CDLL(name)
+    m_mmap_threshold = -3
+    if libc.mallopt(m_mmap_threshold, 64 * 1024) != 1:
+        raise OSError("mallopt(M_MMAP_THRESHOLD) failed")
+    libc.malloc_trim(0)
+
+
+def _proc_status(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (Linux), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(field)
+
+
+class PeakMemory:
+    """Peak bytes of memory allocated inside a ``with`` block, above the level at its start.
+
+    What is measured depends on the device:
+
+    * CUDA: the caching allocator's high-water mark (``torch.cuda.max_memory_allocated``), the
+      device synchronised at both ends -- every tensor and workspace allocated through PyTorch.
+    * CPU, ``resident=False``: :class:`StorageTracker`'s ``peak`` -- storages created by ATen
+      ops while they are alive; not a kernel's internal scratch.
+    * CPU, ``resident=True`` (Linux, glibc): the resident-set high-water mark (``VmHWM``, reset
+      through ``/proc/self/clear_refs``) minus the resident set at the start -- all memory the
+      process touches (tensors, kernel scratch, other threads), at page granularity, after
+      :func:`_release_free_memory`. ``peak`` is ``None`` where this cannot be measured.
+
+    Attributes:
+        peak: the bytes, set when the block exits normally (``None`` until then, or if unknown).
+
+    Example::
+
+        with PeakMemory(device) as mem:
+            step()
+        print(mem.peak)
+    """
+
+    def __init__(self, device: torch.device, *, resident: bool = False) -> None:
+        self.device, self.resident = device, resident
+        self.peak: int | None = None
+        self._base: int | None = None
+        self._tracker: StorageTracker | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            sync(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif self.resident:
+            try:
+                _release_free_memory()
+                # Linux: writing 5 to clear_refs resets the resident-set high-water mark (VmHWM).
+                Path("/proc/self/clear_refs").write_text("5")
+                self._base = _proc_status("VmRSS")
+            except OSError:
+                self._base = None
+        else:
+            self._tracker = StorageTracker().__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            return
+        if self._tracker is not None:
+            self.peak = self._tracker.peak
+        elif self._base is None:
+            self.peak = None
+        elif self.device.type == "cuda":
+            sync(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self.peak = _proc_status("VmHWM") - self._base
