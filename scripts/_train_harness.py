@@ -64,7 +64,11 @@ def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace, torch.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
     try:
-        return train(args, device)
+        code = train(args, device)
+        # Leave together: a gloo rank that tears down while its peers still use their
+        # connections can abort ("terminate called without an active exception").
+        dist.barrier()
+        return code
     finally:
         dist.destroy_process_group()
 

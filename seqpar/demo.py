@@ -141,6 +141,7 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
             "dv": v.grad.cpu(),
         }
         torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
+        dist.barrier()  # tear down together (see scripts/_train_harness.py)
     finally:
         dist.destroy_process_group()
 
