@@ -21,16 +21,18 @@ import torch
 from seqpar.backends import AttentionBackend, available_backends, get_backend
 from seqpar.backends import flash_attn as flash_attn_module
 from seqpar.backends.base import (
+    KernelBackend,
     packed_lse_from_padded,
     padded_lse_from_packed,
     tokens_of_empty_partner,
 )
-from seqpar.backends.cpu import _plan
+from seqpar.backends.cpu import CpuFlashBackend, _plan
 from seqpar.backends.reference import (
     ReferenceBackend,
     reference_attention,
     reference_varlen_attention,
 )
+from seqpar.backends.torch_cuda import TorchEfficientBackend, TorchFlashBackend
 from seqpar.merge import merge_, new_accumulators
 
 NEG_INF = float("-inf")
@@ -260,11 +262,44 @@ def _external_lse_case(name, device, dtype_name, heads):
         _assert_accurate(what, actual, r, sm, dtype_name)
 
 
+_ALL_BACKEND_CLASSES = [ReferenceBackend, CpuFlashBackend, TorchFlashBackend,
+                        TorchEfficientBackend, flash_attn_module.FlashAttnBackend]
+
+
 def test_backends_satisfy_protocol():
     for name in available_backends("cpu"):
         backend = get_backend(name, "cpu", torch.float32)
         assert isinstance(backend, AttentionBackend)
         assert backend.name == name
+    for cls in _ALL_BACKEND_CLASSES:
+        assert issubclass(cls, KernelBackend) and isinstance(cls(), AttentionBackend)
+    with pytest.raises(TypeError, match="abstract"):
+        KernelBackend()
+
+
+@pytest.mark.parametrize("cls", _ALL_BACKEND_CLASSES, ids=lambda c: c.name)
+def test_empty_blocks_never_reach_a_kernel(cls):
+    # KernelBackend answers blocks without queries or keys itself, so even the CUDA backends
+    # (and flash_attn without its package) give out = 0, lse = -inf and zero gradients on CPU.
+    backend = cls()
+    for sq, sk in ((0, 5), (7, 0), (0, 0)):
+        q, k = torch.randn(2, sq, 4, 8), torch.randn(2, sk, 2, 8)
+        out, lse = backend.forward(q, k, k, causal=False, scale=0.3)
+        assert out.shape == q.shape and (out == 0).all()
+        assert lse.shape == (2, 4, sq) and lse.dtype == torch.float32 and (lse == NEG_INF).all()
+        grads = backend.backward(torch.randn_like(q), q, k, k, out, lse, causal=False, scale=0.3)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+        assert all((g == 0).all() for g in grads)
+    for lens_q, lens_k in (([0, 0], [3, 2]), ([4, 1], [0, 0]), ([0, 0], [0, 0])):
+        q, k = torch.randn(sum(lens_q), 4, 8), torch.randn(sum(lens_k), 2, 8)
+        cu = (_cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
+        out, lse = backend.varlen_forward(q, k, k, *cu, causal=False, scale=0.3)
+        assert out.shape == q.shape and (out == 0).all()
+        assert lse.shape == (4, sum(lens_q)) and (lse == NEG_INF).all()
+        grads = backend.varlen_backward(torch.randn_like(q), q, k, k, out, lse, *cu,
+                                        causal=False, scale=0.3)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+        assert all((g == 0).all() for g in grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,6 +468,13 @@ def test_varlen_input_errors(name):
     with pytest.raises(ValueError, match="multiple of the 3 key/value heads"):
         k = torch.randn(9, 3, 8)
         backend.varlen_forward(q[:, :2], k, k, _cu([9]), _cu([9]), 9, 9, causal=False, scale=1.0)
+    # cu_seqlens are checked on the host before an empty block is answered.
+    with pytest.raises(ValueError, match="must rise from 0 to the 9 k tokens"):
+        backend.varlen_forward(q[:0], q, q, _cu([0, 0]), _cu([5, 3]), 0, 5, causal=False,
+                               scale=1.0)
+    with pytest.raises(ValueError, match="causal varlen attention needs equal q and k lengths"):
+        backend.varlen_backward(q, q, q[:0], q[:0], q, q.new_zeros(2, 9), _cu([5, 4]),
+                                _cu([0, 0]), 5, 0, causal=True, scale=1.0)
 
 
 # ---------------------------------------------------------------------------------------------

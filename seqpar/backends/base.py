@@ -23,11 +23,16 @@ diagonal aligned:
     q1   x  x  .  .
     q2   x  x  x  .
     q3   x  x  x  x
+
+Every backend class derives from :class:`KernelBackend`, which does the input checks and answers
+blocks without queries or keys once, then calls the backend's kernel part (``_forward`` etc.).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -36,6 +41,8 @@ from ..merge import accumulator_dtype
 
 __all__ = [
     "AttentionBackend",
+    "KernelBackend",
+    "Packing",
     "check_dense",
     "check_varlen",
     "lse_dtype",
@@ -261,6 +268,132 @@ def last_dim_contiguous(x: Tensor) -> Tensor:
     (measured for the CPU flash kernel, torch 2.13).
     """
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The part of the four protocol methods that every backend shares.
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The sequence packing of one varlen call, as given to :meth:`AttentionBackend.varlen_forward`.
+
+    Attributes:
+        cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)``, cumulative lengths from 0.
+        max_seqlen_q, max_seqlen_k: the longest sequence on each side.
+        lens: ``(lens_q, lens_k)`` from :func:`varlen_lengths`, read on the host only for a
+            backend with ``host_lengths = True``; None otherwise (the CUDA kernels take
+            ``cu_seqlens`` on the device and must not synchronise).
+    """
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    lens: tuple[list[int], list[int]] | None = None
+
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """``(lens_q, lens_k)``: per-sequence lengths, for ``host_lengths`` backends only."""
+        assert self.lens is not None, "per-sequence lengths are read for host_lengths backends"
+        return self.lens
+
+
+class KernelBackend(AttentionBackend):
+    """The shared half of every backend: input checks and empty blocks, then the kernel part.
+
+    The public methods validate their inputs (:func:`check_dense`; :func:`check_varlen` and, with
+    ``host_lengths``, :func:`varlen_lengths`) and answer a block with no query or no key token
+    (``Sq == 0 or Sk == 0``; ``total_q == 0 or total_k == 0``) without a kernel: ``out = 0``,
+    ``lse = -inf`` (:func:`empty_forward`) and zero gradients. A subclass implements the kernel
+    part only: ``_forward``, ``_backward``, ``_varlen_forward`` and ``_varlen_backward``, which
+    get checked inputs with at least one query and one key token (varlen: single sequences may
+    still be empty on either side).
+    """
+
+    #: Whether varlen calls read the per-sequence lengths on the host (``Packing.lens``); they are
+    #: then validated before an empty block is answered.
+    host_lengths: ClassVar[bool] = False
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.forward`."""
+        check_dense(q, k, v, causal)
+        b, sq, h, _ = q.shape
+        if sq == 0 or k.shape[1] == 0:
+            return empty_forward(q, (b, h, sq))
+        return self._forward(q, k, v, causal=causal, scale=scale)
+
+    def backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.backward`."""
+        check_dense(q, k, v, causal)
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return self._backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+        max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_forward`."""
+        packing = self._packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal)
+        total_q, h, _ = q.shape
+        if total_q == 0 or k.shape[0] == 0:
+            return empty_forward(q, (h, total_q))
+        return self._varlen_forward(q, k, v, packing, causal=causal, scale=scale)
+
+    def varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+        causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`AttentionBackend.varlen_backward`."""
+        packing = self._packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal)
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return self._varlen_backward(dout, q, k, v, out, lse, packing, causal=causal, scale=scale)
+
+    def _packing(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+        max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+    ) -> Packing:
+        """Check varlen inputs and bundle the packing (with host lengths if ``host_lengths``)."""
+        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        lens = None
+        if self.host_lengths:
+            lens = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lens)
+
+    @abstractmethod
+    def _forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` on checked inputs with ``Sq > 0`` and ``Sk > 0``."""
+
+    @abstractmethod
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`backward` on checked inputs with ``Sq > 0`` and ``Sk > 0``."""
+
+    @abstractmethod
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`varlen_forward` on checked inputs with ``total_q > 0`` and ``total_k > 0``."""
+
+    @abstractmethod
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        packing: Packing, *, causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`varlen_backward` on checked inputs with ``total_q > 0`` and ``total_k > 0``."""
 
 
 # ---------------------------------------------------------------------------------------------

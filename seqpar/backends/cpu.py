@@ -37,13 +37,12 @@ import torch
 from torch import Tensor
 
 from .base import (
-    check_dense,
-    check_varlen,
+    KernelBackend,
+    Packing,
     empty_forward,
     last_dim_contiguous,
     lse_dtype,
     lse_for_backward,
-    varlen_lengths,
 )
 
 __all__ = ["CpuFlashBackend"]
@@ -217,10 +216,11 @@ def _plan(lens_q: list[int], lens_k: list[int], causal: bool) -> _Plan:
     return _Plan(direct=direct, buckets=buckets)
 
 
-class CpuFlashBackend:
+class CpuFlashBackend(KernelBackend):
     """PyTorch's CPU flash-attention kernel; float32/float64/bfloat16/float16."""
 
     name = "cpu"
+    host_lengths = True  # the plan (Note [CPU varlen]) is host index maths
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -231,53 +231,24 @@ class CpuFlashBackend:
             return f"the CPU kernel supports {[str(d) for d in _DTYPES]}, not {dtype}"
         return None
 
-    def forward(
+    def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.forward`."""
-        check_dense(q, k, v, causal)
-        b, sq, h, _ = q.shape
-        if sq == 0 or k.shape[1] == 0:
-            return empty_forward(q, (b, h, sq))
         return _kernel_forward(q, k, v, causal, scale)
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        causal: bool,
-        scale: float,
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.backward`."""
-        check_dense(q, k, v, causal)
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse = lse_for_backward(lse, lse_dtype(q.dtype))
         return _kernel_backward(dout, q, k, v, out, lse, causal, scale)
 
-    def varlen_forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_forward` and Note [CPU varlen]."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        """See Note [CPU varlen]."""
         total_q, h, _ = q.shape
-        plan = _plan(lens_q, lens_k, causal)
+        plan = _plan(*packing.host_lens(), causal)
         if plan.covers_all(total_q, k.shape[0]):  # one call, no copy into a packed buffer
             if plan.direct:
                 o, l = _kernel_forward(q[None], k[None], v[None], causal, scale)
@@ -304,27 +275,13 @@ class CpuFlashBackend:
             bucket.q.put(lse, l.transpose(0, 1).flatten(1, 2), dim=1)
         return out, lse
 
-    def varlen_backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        packing: Packing, *, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_backward` and Note [CPU varlen]."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        """See Note [CPU varlen]."""
         lse = lse_for_backward(lse, lse_dtype(q.dtype))  # [H, Tq]
-        plan = _plan(lens_q, lens_k, causal)
+        plan = _plan(*packing.host_lens(), causal)
         if plan.covers_all(q.shape[0], k.shape[0]):  # one call, no copy into packed buffers
             if plan.direct:
                 grads = _kernel_backward(dout[None], q[None], k[None], v[None], out[None],

@@ -37,9 +37,8 @@ import torch
 from torch import Tensor
 
 from .base import (
-    check_dense,
-    check_varlen,
-    empty_forward,
+    KernelBackend,
+    Packing,
     lse_for_backward,
     normalise_lse_,
     packed_lse_from_padded,
@@ -174,7 +173,7 @@ def _lse_from_forward(result: Any) -> tuple[Tensor, Tensor]:
     return result[0], result[1]
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(KernelBackend):
     """The ``flash_attn`` package (FA2 >= 2.0, or FA3 on Hopper); fp16/bf16 on CUDA."""
 
     name = "flash_attn"
@@ -205,14 +204,10 @@ class FlashAttnBackend:
             )
         return api
 
-    def forward(
+    def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.forward`."""
-        check_dense(q, k, v, causal)
-        b, sq, h, d = q.shape
-        if sq == 0 or k.shape[1] == 0:
-            return empty_forward(q, (b, h, sq))
+        d = q.shape[-1]
         api = self._api(q.device, d)
         result = api.call(
             "fwd", q=pad_head_dim(q), k=pad_head_dim(k), v=pad_head_dim(v), dropout_p=0.0,
@@ -223,23 +218,11 @@ class FlashAttnBackend:
         out, lse = _lse_from_forward(result)
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        causal: bool,
-        scale: float,
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.backward`."""
-        check_dense(q, k, v, causal)
         d = q.shape[-1]
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         api = self._api(q.device, d)
         q_p, k_p, v_p = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
         dq, dk, dv = torch.empty_like(q_p), torch.empty_like(k_p), torch.empty_like(v_p)
@@ -253,27 +236,14 @@ class FlashAttnBackend:
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
 
-    def varlen_forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_forward`."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        total_q, h, d = q.shape
-        if total_q == 0 or k.shape[0] == 0:
-            return empty_forward(q, (h, total_q))
+        total_q, _, d = q.shape
         api = self._api(q.device, d)
-        cu_q = cu_seqlens_q.to(torch.int32).contiguous()
-        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+        cu_q = packing.cu_seqlens_q.to(torch.int32).contiguous()
+        cu_k = packing.cu_seqlens_k.to(torch.int32).contiguous()
+        max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         result = api.call(
             "fwd" if api.kind == "fa3" else "varlen_fwd",
             q=pad_head_dim(q), k=pad_head_dim(k), v=pad_head_dim(v),
@@ -286,30 +256,15 @@ class FlashAttnBackend:
             lse = packed_lse_from_padded(lse, cu_q, total_q)
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def varlen_backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        packing: Packing, *, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_backward`."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         d = q.shape[-1]
-        if q.shape[0] == 0 or k.shape[0] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         api = self._api(q.device, d)
-        cu_q = cu_seqlens_q.to(torch.int32).contiguous()
-        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+        cu_q = packing.cu_seqlens_q.to(torch.int32).contiguous()
+        cu_k = packing.cu_seqlens_k.to(torch.int32).contiguous()
+        max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse = lse_for_backward(lse, torch.float32)
         if not api.packed_varlen_lse:
             lse = padded_lse_from_packed(lse, cu_q, max_seqlen_q)

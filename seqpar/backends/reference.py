@@ -18,13 +18,7 @@ import torch
 from torch import Tensor
 
 from ..merge import accumulator_dtype
-from .base import (
-    check_dense,
-    check_varlen,
-    empty_forward,
-    lse_for_backward,
-    varlen_lengths,
-)
+from .base import KernelBackend, Packing, check_dense, empty_forward, lse_for_backward
 
 __all__ = ["reference_attention", "reference_varlen_attention", "ReferenceBackend"]
 
@@ -142,56 +136,11 @@ def reference_varlen_attention(
     return (out, lse) if return_lse else out
 
 
-def _dense_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
-) -> tuple[Tensor, Tensor]:
-    acc = accumulator_dtype(q.dtype)
-    heads = q.shape[2]
-    qf, kf, vf = q.to(acc), _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    if causal:
-        scores.masked_fill_(_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
-    probs = torch.exp(scores - lse_for_backward(lse, acc).unsqueeze(-1))
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
-    return out.to(q.dtype), lse
-
-
-def _dense_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    acc = accumulator_dtype(q.dtype)
-    b, sk, hkv, d = k.shape
-    heads = q.shape[2]
-    qf, kf, vf = q.to(acc), _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
-    dof, of = dout.to(acc), out.to(q.dtype).to(acc)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-    if causal:
-        scores.masked_fill_(_causal_mask(q.shape[1], sk, q.device), float("-inf"))
-    probs = torch.exp(scores - lse_for_backward(lse, acc).unsqueeze(-1))  # [B, H, Sq, Sk]
-    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dof)
-    dprobs = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
-    delta = (dof * of).sum(-1).transpose(1, 2)  # [B, H, Sq]
-    dscores = probs * (dprobs - delta.unsqueeze(-1))
-    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kf) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qf) * scale
-    group = heads // hkv
-    dk = dk.view(b, sk, hkv, group, d).sum(3)
-    dv = dv.view(b, sk, hkv, group, d).sum(3)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class ReferenceBackend:
+class ReferenceBackend(KernelBackend):
     """Explicit-formula attention in fp32/fp64 on any device; O(Sq * Sk) memory per head."""
 
     name = "reference"
+    host_lengths = True  # one dense call per sequence
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -200,92 +149,83 @@ class ReferenceBackend:
             return f"dtype {dtype} is not a floating-point type"
         return None
 
-    def forward(
+    def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.forward`."""
-        check_dense(q, k, v, causal)
-        b, sq, h, _ = q.shape
-        if sq == 0 or k.shape[1] == 0:
-            return empty_forward(q, (b, h, sq))
-        return _dense_forward(q, k, v, causal, scale)
+        """Explicit formulas in the accumulator dtype."""
+        acc = accumulator_dtype(q.dtype)
+        heads = q.shape[2]
+        qf = q.to(acc)
+        kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
+        scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+        if causal:
+            scores.masked_fill_(_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
+        probs = torch.exp(scores - lse_for_backward(lse, acc).unsqueeze(-1))
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+        return out.to(q.dtype), lse
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        causal: bool,
-        scale: float,
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.backward`."""
-        check_dense(q, k, v, causal)
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return _dense_backward(dout, q, k, v, out, lse, causal, scale)
+        """Explicit formulas in the accumulator dtype, reading the given ``out`` and ``lse``."""
+        acc = accumulator_dtype(q.dtype)
+        b, sk, hkv, d = k.shape
+        heads = q.shape[2]
+        qf = q.to(acc)
+        kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
+        dof, of = dout.to(acc), out.to(q.dtype).to(acc)
+        scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+        if causal:
+            scores.masked_fill_(_causal_mask(q.shape[1], sk, q.device), float("-inf"))
+        probs = torch.exp(scores - lse_for_backward(lse, acc).unsqueeze(-1))  # [B, H, Sq, Sk]
+        dv = torch.einsum("bhqk,bqhd->bkhd", probs, dof)
+        dprobs = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
+        delta = (dof * of).sum(-1).transpose(1, 2)  # [B, H, Sq]
+        dscores = probs * (dprobs - delta.unsqueeze(-1))
+        dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kf) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qf) * scale
+        group = heads // hkv
+        dk = dk.view(b, sk, hkv, group, d).sum(3)
+        dv = dv.view(b, sk, hkv, group, d).sum(3)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def varlen_forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_forward`; one dense call per sequence."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        """One dense call per sequence."""
+        lens_q, lens_k = packing.host_lens()
         out, lse = empty_forward(q, (q.shape[1], q.shape[0]))
         starts_q = [0, *itertools.accumulate(lens_q)]
         starts_k = [0, *itertools.accumulate(lens_k)]
         for lq, lk, sq, sk in zip(lens_q, lens_k, starts_q, starts_k):
             if lq == 0 or lk == 0:
                 continue
-            o, l = _dense_forward(
-                q[None, sq:sq + lq], k[None, sk:sk + lk], v[None, sk:sk + lk], causal, scale
+            o, l = self._forward(
+                q[None, sq:sq + lq], k[None, sk:sk + lk], v[None, sk:sk + lk], causal=causal,
+                scale=scale,
             )
             out[sq:sq + lq] = o[0]
             lse[:, sq:sq + lq] = l[0]
         return out, lse
 
-    def varlen_backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        packing: Packing, *, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_backward`; one dense call per sequence."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        """One dense call per sequence."""
+        lens_q, lens_k = packing.host_lens()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         starts_q = [0, *itertools.accumulate(lens_q)]
         starts_k = [0, *itertools.accumulate(lens_k)]
         for lq, lk, sq, sk in zip(lens_q, lens_k, starts_q, starts_k):
             if lq == 0 or lk == 0:
                 continue
-            g = _dense_backward(
+            g = self._backward(
                 dout[None, sq:sq + lq], q[None, sq:sq + lq], k[None, sk:sk + lk],
                 v[None, sk:sk + lk], out[None, sq:sq + lq], lse[None, :, sq:sq + lq],
-                causal, scale,
+                causal=causal, scale=scale,
             )
             dq[sq:sq + lq] = g[0][0]
             dk[sk:sk + lk] = g[1][0]

@@ -28,9 +28,8 @@ import torch
 from torch import Tensor
 
 from .base import (
-    check_dense,
-    check_varlen,
-    empty_forward,
+    KernelBackend,
+    Packing,
     lse_for_backward,
     normalise_lse_,
     packed_lse_from_padded,
@@ -72,7 +71,7 @@ def _cuda_reason(device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.d
     return None
 
 
-class TorchFlashBackend:
+class TorchFlashBackend(KernelBackend):
     """FlashAttention-2 as bundled with PyTorch (``aten._flash_attention_*``); fp16/bf16."""
 
     name = "torch_flash"
@@ -82,15 +81,10 @@ class TorchFlashBackend:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
         return _cuda_reason(device, dtype, (torch.float16, torch.bfloat16), (8, 0))
 
-    def forward(
+    def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.forward`."""
-        check_dense(q, k, v, causal)
-        b, sq, h, d = q.shape
-        sk = k.shape[1]
-        if sq == 0 or sk == 0:
-            return empty_forward(q, (b, h, sq))
+        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         _check_head_dim(d, self.name)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
@@ -98,23 +92,11 @@ class TorchFlashBackend:
         )
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        causal: bool,
-        scale: float,
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.backward`."""
-        check_dense(q, k, v, causal)
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        if sq == 0 or sk == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         _check_head_dim(d, self.name)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
@@ -124,65 +106,37 @@ class TorchFlashBackend:
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
 
-    def varlen_forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_forward`."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        total_q, h, d = q.shape
-        if total_q == 0 or k.shape[0] == 0:
-            return empty_forward(q, (h, total_q))
+        total_q, _, d = q.shape
         _check_head_dim(d, self.name)
-        cu_q = _cu(cu_seqlens_q)
+        cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+        max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
-            cu_q, _cu(cu_seqlens_k), max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
+            cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
         )
         if lse.dim() == 3:  # ROCm: per-sequence padded layout
             lse = packed_lse_from_padded(lse, cu_q, total_q)
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def varlen_backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        packing: Packing, *, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_backward`."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         d = q.shape[-1]
-        if q.shape[0] == 0 or k.shape[0] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         _check_head_dim(d, self.name)
-        cu_q = _cu(cu_seqlens_q)
+        cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+        max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse = lse_for_backward(lse, torch.float32)
         if torch.version.hip:  # ROCm kernels read the per-sequence padded layout
             lse = padded_lse_from_packed(lse, cu_q, max_seqlen_q)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
             pad_head_dim(out.to(q.dtype)), lse,
-            cu_q, _cu(cu_seqlens_k), max_seqlen_q, max_seqlen_k, 0.0, causal,
-            *_unused_rng(q.device), scale=scale,
+            cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, causal, *_unused_rng(q.device),
+            scale=scale,
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
 
@@ -215,7 +169,7 @@ def _philox_unused() -> tuple[Tensor, Tensor]:
     return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
 
 
-class TorchEfficientBackend:
+class TorchEfficientBackend(KernelBackend):
     """PyTorch's CUTLASS memory-efficient attention (``aten._efficient_attention_*``).
 
     Runs fp32 as well as fp16/bf16; used by ``"auto"`` for fp32 on CUDA.
@@ -230,38 +184,22 @@ class TorchEfficientBackend:
             return _cuda_reason(device, dtype, (torch.bfloat16,), (8, 0))
         return _cuda_reason(device, dtype, (torch.float32, torch.float16), (5, 0))
 
-    def forward(
+    def _forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.forward`."""
-        check_dense(q, k, v, causal)
-        b, sq, h, d = q.shape
-        if sq == 0 or k.shape[1] == 0:
-            return empty_forward(q, (b, h, sq))
+        _, sq, h, d = q.shape
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             pad_head_dim(q), pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)),
             None, None, None, None, None, 0.0, int(causal), True, scale=scale,
         )
         return unpad_head_dim(out, d), normalise_lse_(lse[..., :sq].contiguous())
 
-    def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        causal: bool,
-        scale: float,
+    def _backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.backward`."""
-        check_dense(q, k, v, causal)
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        if sq == 0 or sk == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse_padded = torch.full((b, h, _aligned(sq)), float("inf"), device=q.device)
         lse_padded[..., :sq] = lse_for_backward(lse, torch.float32)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
@@ -274,25 +212,12 @@ class TorchEfficientBackend:
         dv = _sum_kv_groups(unpad_head_dim(dv, d), hkv)
         return unpad_head_dim(dq, d), dk.to(k.dtype), dv.to(v.dtype)
 
-    def varlen_forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_forward`."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         total_q, h, d = q.shape
-        if total_q == 0 or k.shape[0] == 0:
-            return empty_forward(q, (h, total_q))
-        cu_q, cu_k = _cu(cu_seqlens_q), _cu(cu_seqlens_k)
+        cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+        max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             pad_head_dim(q)[None], pad_head_dim(_repeat_kv(k, h))[None],
             pad_head_dim(_repeat_kv(v, h))[None], None, cu_q, cu_k,
@@ -306,29 +231,14 @@ class TorchEfficientBackend:
         out.masked_fill_(no_keys[:, None, None], 0.0)
         return out, lse
 
-    def varlen_backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        packing: Packing, *, causal: bool, scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """See :meth:`AttentionBackend.varlen_backward`."""
-        check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
         total_q, h, d = q.shape
         total_k, hkv = k.shape[0], k.shape[1]
-        if total_q == 0 or total_k == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        cu_q, cu_k = _cu(cu_seqlens_q), _cu(cu_seqlens_k)
+        cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+        max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse_padded = padded_lse_from_packed(
             lse_for_backward(lse, torch.float32), cu_q, _aligned(max_seqlen_q)
         )
