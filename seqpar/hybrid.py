@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .backends import AttentionBackend, get_backend
+from .checks import check_gqa, check_qkv
 from .comm._group import exchange_ints
 from .layout import ring_local_length, shard_lengths
 from .ring import ring_attention
@@ -91,21 +92,7 @@ def _check_options(
 
 def _check_tensors(q: object, k: object, v: object, layout: str, where: str) -> None:
     """Local checks of q, k, v in ``layout`` (before conversion)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(
-                f"{where}: {name} must be 4-dim in layout {layout!r} ({layout[0]}, {layout[1]}, "
-                f"{layout[2]}, {layout[3]}), got shape {tuple(t.shape)}"
-            )
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(
-            f"{where}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-            "cast them to one dtype"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{where}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v, ndim=4, shape_doc=f"in layout {layout!r} ({', '.join(layout)})", where=where)
     qb, kb, vb = (_to_bshd(t, layout) for t in (q, k, v))
     (B, S, H, D), (Bk, Sk, Hkv, Dk) = qb.shape, kb.shape
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (layout {layout!r})"
@@ -114,12 +101,9 @@ def _check_tensors(q: object, k: object, v: object, layout: str, where: str) -> 
             f"{where}: {shapes}: k and v must have q's batch size B={B}, local length S={S} and "
             f"head dim D={D}, and the same shape as each other"
         )
-    if H < 1 or D < 1 or Hkv < 1 or H % Hkv:
-        divisors = [d for d in range(1, H + 1) if H % d == 0]
-        raise ValueError(
-            f"{where}: {shapes}: the H={H} query heads must be a positive multiple of the Hkv={Hkv} "
-            f"key/value heads; use Hkv in {divisors}"
-        )
+    if D < 1:
+        raise ValueError(f"{where}: {shapes}: the head dim must be positive, got D={D}")
+    check_gqa(H, Hkv, where, context=f"{shapes}: ")
 
 
 def _global_length(q: Tensor, k: Tensor, state: ParallelState, seq_len: int | None, where: str) -> int:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .backends import AttentionBackend, get_backend
+from .checks import check_gqa, check_qkv
 from .comm import group_rank, group_size
 from .comm._group import Group, check_group
 from .layout import ring_local_length, split_sizes, zigzag_chunk_ranges
@@ -283,21 +284,14 @@ def _check_inputs(
             f"{where}: seq_len must be the global sequence length as a non-negative int, got "
             f"{seq_len!r}"
         )
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"{where}: q, k, v must be 4-dim [B, S, H, D] (bshd), got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}; convert other layouts first (e.g. "
-            "q.transpose(1, 2) for bhsd)"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(
-            f"{where}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-            "cast them to one dtype"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"{where}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
-        )
+    check_qkv(
+        q,
+        k,
+        v,
+        ndim=4,
+        shape_doc="[B, S, H, D] (bshd; convert other layouts first, e.g. q.transpose(1, 2) for bhsd)",
+        where=where,
+    )
     if k.shape != v.shape:
         raise ValueError(f"{where}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     (b, s, h, d), (bk, sk, hkv, dk) = q.shape, k.shape
@@ -305,11 +299,7 @@ def _check_inputs(
         raise ValueError(f"{where}: batch sizes differ: q has B={b}, k/v have B={bk}")
     if d != dk:
         raise ValueError(f"{where}: head dims differ: q has D={d}, k/v have D={dk}")
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(
-            f"{where}: the H={h} query heads must be a multiple of the Hkv={hkv} key/value heads "
-            f"(GQA); use Hkv in {[x for x in range(1, h + 1) if h % x == 0]}"
-        )
+    check_gqa(h, hkv, where)
     expected = ring_local_length(seq_len, ring_size, ring_rank)
     if s != expected or sk != expected:
         raise ValueError(

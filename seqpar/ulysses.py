@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_gqa, check_qkv
 from .comm import all_to_all, all_to_all_many, group_rank, group_size
 from .comm._group import Group, check_group
 from .layout import offsets, split_sizes
@@ -118,23 +119,15 @@ def head_assignments(num_heads: int, num_kv_heads: int, world: int) -> list[Head
 
 
 def _check_inputs(q: object, k: object, v: object) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"ulysses_attention: {name} must be a tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(
-                f"ulysses_attention: {name} must be 4-D [B, S_local, heads, head_dim], got shape {tuple(t.shape)}"
-            )
+    where = "ulysses_attention"
+    check_qkv(q, k, v, ndim=4, shape_doc="[B, S_local, heads, head_dim]", where=where)
     B, S, H, D = q.shape
     if k.shape[:2] != (B, S) or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
         raise ValueError(
-            f"ulysses_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
+            f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
             "[B, S, H, D], [B, S, Hkv, D], [B, S, Hkv, Dv]"
         )
-    if H % k.shape[2]:
-        raise ValueError(
-            f"ulysses_attention: H={H} query heads is not a multiple of Hkv={k.shape[2]} K/V heads"
-        )
+    check_gqa(H, k.shape[2], where)
 
 
 def _exchange_qkv(

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .backends import AttentionBackend, get_backend
+from .checks import check_gqa, check_qkv
 from .comm import group_size
 from .comm._group import Group, exchange_ints
 from .layout import check_seq_lens
@@ -272,30 +273,13 @@ class _VarlenRingAttention(torch.autograd.Function):
 
 def _check_tensors(q: object, k: object, v: object) -> None:
     where = "varlen_attention"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(
-                f"{where}: {name} must be 3-dim [T_local, heads, head_dim] as produced by "
-                f"seqpar.shard_packed, got shape {tuple(t.shape)}"
-            )
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(
-            f"{where}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{where}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv(q, k, v, ndim=3, shape_doc="[T_local, heads, head_dim] as produced by seqpar.shard_packed", where=where)
     if k.shape != v.shape:
         raise ValueError(f"{where}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     (_, h, d), (_, hkv, dk) = q.shape, k.shape
     if d != dk:
         raise ValueError(f"{where}: head dims differ: q has D={d}, k/v have D={dk}")
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(
-            f"{where}: the H={h} query heads must be a multiple of the Hkv={hkv} key/value heads "
-            f"(GQA); use Hkv in {[x for x in range(1, h + 1) if h % x == 0]}"
-        )
+    check_gqa(h, hkv, where)
 
 
 def _check_lengths(

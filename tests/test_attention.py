@@ -207,7 +207,7 @@ def _valid():
         (lambda q, k, v, s: seqpar.attention(q, k.double(), v, s), "share one floating dtype"),
         (lambda q, k, v, s: seqpar.attention(q.long(), k.long(), v.long(), s), "floating dtype"),
         (lambda q, k, v, s: seqpar.attention(q, k.to("meta"), v, s), "on one device"),
-        (lambda q, k, v, s: seqpar.attention(q[0], k, v, s), "q must be 4-dim"),
+        (lambda q, k, v, s: seqpar.attention(q[0], k, v, s), r"q, k, v must be 4-dim .*got q \(6, 4, 8\)"),
         (lambda q, k, v, s: seqpar.attention(q, k[:, :5], v[:, :5], s), r"local length S=6"),
         (lambda q, k, v, s: seqpar.attention(q, torch.zeros(2, 6, 2, 8), v, s), r"batch size B=1"),
         (lambda q, k, v, s: seqpar.attention(q, torch.zeros(1, 6, 2, 4), v, s), r"head dim D=8"),

@@ -346,7 +346,7 @@ def test_bad_inputs_raise_value_error():
     def call(q=q, k=kv, v=kv, seq_len=5, **kw):
         return ring_attention(q, k, v, None, seq_len=seq_len, **kw)
 
-    with pytest.raises(ValueError, match=r"4-dim \[B, S, H, D\].*q \(5, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"q, k, v must be 4-dim \[B, S, H, D\].*q \(5, 4, 8\)"):
         call(q=q[0])
     with pytest.raises(ValueError, match=r"4-dim.*k \(1, 5, 2, 8, 1\)"):
         call(k=kv[..., None])

@@ -207,10 +207,10 @@ def _rank_errors(_: None) -> list[str]:
     q = torch.zeros(1, 3, 4, 8)
     messages = []
     bad = [
-        ((q, torch.zeros(1, 3, 3, 8), torch.zeros(1, 3, 3, 8)), "not a multiple"),
+        ((q, torch.zeros(1, 3, 3, 8), torch.zeros(1, 3, 3, 8)), r"H=4 query heads must be a positive multiple of the Hkv=3"),
         ((q, torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4)), r"\[B, S, Hkv, D\]"),
-        ((q, torch.zeros(1, 3, 2, 8), "v"), "must be a tensor"),
-        ((q[0], q[0], q[0]), "must be 4-D"),
+        ((q, torch.zeros(1, 3, 2, 8), "v"), "v must be a torch.Tensor"),
+        ((q[0], q[0], q[0]), r"must be 4-dim \[B, S_local, heads, head_dim\]"),
     ]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -390,7 +390,7 @@ def test_errors_single_process():
         seqpar.varlen_attention(q, k, k, state, [4, 5])
     with pytest.raises(ValueError, match=r"must be 3-dim \[T_local, heads, head_dim\]"):
         seqpar.varlen_attention(q[None], k[None], k[None], state, [10])
-    with pytest.raises(ValueError, match=r"H=4 query heads must be a multiple of the Hkv=3"):
+    with pytest.raises(ValueError, match=r"H=4 query heads must be a positive multiple of the Hkv=3"):
         seqpar.varlen_attention(q, torch.randn(10, 3, 8), torch.randn(10, 3, 8), state, [10])
     with pytest.raises(ValueError, match=r"softmax_scale must be a float or None"):
         seqpar.varlen_attention(q, k, k, state, [10], softmax_scale="x")
