@@ -273,3 +273,38 @@ def test_single_process_without_process_group():
     assert "causal=True" in repr(module)
     want = reference_attention(q, k, v, causal=True, scale=0.3)
     assert (module(q, k, v) - want).abs().max().item() < 1e-10
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_cuda_world_size_one(dtype, causal, layout):
+    """seqpar.attention on one GPU (auto backend) vs float64: out and grads, flash-attn's 2x rule."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S, H, Hkv, D = 2, 1029, 6, 2, 64
+    full = [torch.randn(B, S, h, D, device="cuda", generator=g) for h in (H, Hkv, Hkv)]
+    dout = torch.randn(B, S, H, D, device="cuda", generator=g)
+
+    def run(ts, dt, fn):
+        leaves = [t.to(dt).requires_grad_() for t in ts]
+        out = fn(*leaves)
+        out.backward(dout.to(dt))
+        return [out.double()] + [t.grad.double() for t in leaves]
+
+    def ours(q, k, v):
+        if layout == "bhsd":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return seqpar.attention(q, k, v, ParallelState(), causal=causal, layout="bhsd").transpose(1, 2)
+        return seqpar.attention(q, k, v, ParallelState(), causal=causal)
+
+    def ref(q, k, v):
+        return reference_attention(q, k, v, causal=causal)
+
+    exact = run(full, torch.float64, ref)
+    same_dtype = run(full, dtype, ref)
+    got = run(full, dtype, ours)
+    for name, e, s, o in zip(["out", "dq", "dk", "dv"], exact, same_dtype, got):
+        err, base = (o - e).abs().max().item(), (s - e).abs().max().item()
+        assert err <= 2 * base + 1e-5, f"{name}: error {err:.3g} vs same-dtype reference {base:.3g}"
