@@ -39,9 +39,9 @@ from torch import Tensor, nn
 
 from .backends import AttentionBackend, get_backend
 from .checks import check_gqa, check_qkv
-from .comm._group import exchange_ints
 from .layout import ring_local_length, shard_lengths
 from .ring import ring_attention
+from .sharding import exchange_seq_len
 from .state import ParallelState
 from .ulysses import ulysses_attention
 
@@ -124,23 +124,7 @@ def _global_length(q: Tensor, k: Tensor, state: ParallelState, seq_len: int | No
     if state.cp_size == 1:
         return local
     B, _, H, D = q.shape
-    rows = exchange_ints([local, B, H, k.shape[2], D], state.cp_group, q.device)
-    dims = [r[1:] for r in rows]
-    if any(d != dims[0] for d in dims):
-        raise ValueError(
-            f"{where}: the CP ranks disagree on (B, H, Hkv, D): {dims} (in cp_rank order); every "
-            "rank must pass shards of the same tensors"
-        )
-    got = [r[0] for r in rows]
-    total = sum(got)
-    want = shard_lengths(total, R, U)
-    if got != want:
-        raise ValueError(
-            f"{where}: the CP ranks hold {got} tokens (cp_rank order), which is not the placement "
-            f"of their {total} tokens over ring {R} x ulysses {U} ({want}); shard inputs with "
-            "seqpar.shard(x, state, dim=<sequence dim>)"
-        )
-    return total
+    return exchange_seq_len(local, state, q.device, where, agree=("(B, H, Hkv, D)", [B, H, k.shape[2], D]))
 
 
 def _attention_bshd(

@@ -13,10 +13,10 @@ import torch
 
 from . import layout
 from .comm import all_gather
-from .comm._group import check_dim
+from .comm._group import check_dim, exchange_ints
 from .state import ParallelState
 
-__all__ = ["shard", "unshard", "shard_positions", "shard_packed", "unshard_packed"]
+__all__ = ["shard", "unshard", "shard_positions", "shard_packed", "unshard_packed", "exchange_seq_len"]
 
 
 def _check(x: object, state: object, where: str) -> None:
@@ -53,6 +53,47 @@ def shard_positions(
         raise ValueError(f"shard_positions: seq_len must be a non-negative int, got {seq_len!r}")
     pos = layout.ranges_to_index(_local_ranges(seq_len, state))
     return pos.to(device) if device is not None else pos
+
+
+def exchange_seq_len(
+    local: int,
+    state: ParallelState,
+    device: torch.device,
+    where: str,
+    agree: tuple[str, list[int]] | None = None,
+) -> int:
+    """The global length ``S`` from every CP rank's local length (one all-gather of a few ints).
+
+    Every rank checks the result the same way, so a mistake raises the same error everywhere
+    instead of leaving some ranks waiting in a collective.
+
+    Args:
+        local: this rank's shard length.
+        agree: ``(label, values)``: ints every CP rank must share (e.g. ``("(B, H, Hkv, D)",
+            [B, H, Hkv, D])``), exchanged in the same collective.
+
+    Raises:
+        ValueError: if the ranks disagree on ``agree``, or their lengths are not the placement
+            (``layout.shard_lengths``) of their sum.
+    """
+    label, values = agree if agree is not None else ("", [])
+    rows = exchange_ints([local, *values], state.cp_group, device)
+    dims = [row[1:] for row in rows]
+    if any(d != dims[0] for d in dims):
+        raise ValueError(
+            f"{where}: the CP ranks disagree on {label}: {dims} (in cp_rank order); every "
+            "rank must pass shards of the same tensors"
+        )
+    got = [row[0] for row in rows]
+    total = sum(got)
+    want = layout.shard_lengths(total, state.ring_size, state.ulysses_size)
+    if got != want:
+        raise ValueError(
+            f"{where}: the CP ranks hold {got} tokens (cp_rank order), which is not the placement "
+            f"of their {total} tokens over ring {state.ring_size} x ulysses {state.ulysses_size} "
+            f"({want}); shard inputs with seqpar.shard(x, state, dim=<sequence dim>)"
+        )
+    return total
 
 
 def shard(x: torch.Tensor, state: ParallelState, dim: int = 1) -> torch.Tensor:
@@ -105,16 +146,7 @@ def unshard(x: torch.Tensor, state: ParallelState, dim: int = 1, size: int | Non
     dim = check_dim(dim, x.ndim, "dim", "unshard")
     R, U = state.ring_size, state.ulysses_size
     if size is None:
-        from .comm._group import exchange_ints
-
-        got = [v[0] for v in exchange_ints([x.shape[dim]], state.cp_group, x.device)]
-        size = sum(got)
-        want = layout.shard_lengths(size, R, U)
-        if got != want:
-            raise ValueError(
-                f"unshard: the CP ranks hold {got} tokens, which is not the placement of "
-                f"{size} tokens over ring {R} x ulysses {U} ({want}); shard with seqpar.shard"
-            )
+        size = exchange_seq_len(x.shape[dim], state, x.device, "unshard")
     want = layout.shard_lengths(size, R, U)
     if x.shape[dim] != want[state.cp_rank]:
         raise ValueError(
