@@ -1,23 +1,23 @@
 """seqpar: exact sequence/context parallelism for attention in PyTorch."""
 
-from . import comm, layout, training
-from .hybrid import SequenceParallelAttention, attention
+from . import comm, placement, training
+from .attention import SequenceParallelAttention, attention, varlen_attention
 from .sdpa import local_sdpa, parallel_sdpa
-from .sharding import shard, shard_packed, shard_positions, unshard, unshard_packed
+from .sharding import shard, shard_packed, shard_packed_positions, shard_positions, unshard, unshard_packed
 from .state import ParallelState
-from .varlen import varlen_attention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ParallelState",
     "comm",
-    "layout",
+    "placement",
     "shard",
     "unshard",
     "shard_positions",
     "shard_packed",
     "unshard_packed",
+    "shard_packed_positions",
     "attention",
     "varlen_attention",
     "SequenceParallelAttention",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
-__all__ = ["check_qkv", "check_gqa"]
+__all__ = ["check_qkv", "check_gqa", "check_mask_options", "check_scale", "check_sinks"]
 
 
 def check_qkv(q: object, k: object, v: object, *, ndim: int, shape_doc: str, where: str) -> None:
@@ -47,3 +50,70 @@ def check_gqa(num_heads: int, num_kv_heads: int, where: str, context: str = "") 
             f"{where}: {context}the H={num_heads} query heads must be a positive multiple of the "
             f"Hkv={num_kv_heads} key/value heads (GQA); use Hkv in {divisors}"
         )
+
+
+def check_mask_options(
+    causal: object, window: object, chunk_size: object, softcap: object, where: str
+) -> tuple[bool, tuple[int, int], int | None, float]:
+    """Validate ``causal``, ``window``, ``chunk_size`` and ``softcap``; return them normalised.
+
+    Raises:
+        ValueError: a non-bool ``causal``; a window that is not two ints >= -1 or that asks for
+            keys after the query with ``causal=True``; a non-positive ``chunk_size``; a negative
+            or non-finite ``softcap``.
+    """
+    if not isinstance(causal, bool):
+        raise ValueError(f"{where}: causal must be True or False, got {causal!r}")
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)
+    ):
+        raise ValueError(
+            f"{where}: window must be (left, right) with ints >= -1 (-1 = unbounded), got {window!r}"
+        )
+    left, right = int(window[0]), int(window[1])
+    if causal and right > 0:
+        raise ValueError(
+            f"{where}: window={window!r} lets queries see {right} later keys, which contradicts "
+            "causal=True; pass window=(left, 0) (or -1) for causal sliding-window attention"
+        )
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
+    ):
+        raise ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, numbers.Real)
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise ValueError(f"{where}: softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    return causal, (left, right), None if chunk_size is None else int(chunk_size), float(softcap)
+
+
+def check_scale(softmax_scale: object, where: str) -> None:
+    """Raise unless ``softmax_scale`` is ``None`` or a finite real number."""
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, numbers.Real)
+        or not math.isfinite(softmax_scale)
+    ):
+        raise ValueError(
+            f"{where}: softmax_scale must be a finite float or None (D ** -0.5), got {softmax_scale!r}"
+        )
+
+
+def check_sinks(sinks: object, num_heads: int, like: torch.Tensor, where: str) -> None:
+    """Raise unless ``sinks`` is ``None`` or a floating ``[H]`` tensor on ``like``'s device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise ValueError(f"{where}: sinks must be a floating tensor of {num_heads} logits, got {sinks!r:.80}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"{where}: sinks must have one logit per query head, shape ({num_heads},), got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.device != like.device:
+        raise ValueError(f"{where}: sinks are on {sinks.device} but q is on {like.device}")

@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     tol_out = max(2 * base_out, _FLOOR[dtype])
     tol_grad = max(2 * base_grad, _FLOOR[dtype])
 
-    positions = seqpar.layout.dense_positions
+    placement = seqpar.placement.Placement.dense(cfg.seq_len, cfg.ring, cfg.ulysses)
     header = (
         f"{'rank':>4} {'dp':>3} {'ring':>4} {'uly':>4} {'tokens':>7} {'fwd ms':>9} {'bwd ms':>9} "
         f"{'peak MiB':>9} {'|out err|':>10} {'|grad err|':>10}"
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     print("-" * len(header))
     worst_out = worst_grad = 0.0
     for r in results:
-        idx = positions(cfg.seq_len, cfg.ring, r["ring"], cfg.ulysses, r["ulysses"])
+        idx = placement.global_index(r["ring"] * cfg.ulysses + r["ulysses"])
         ref = exact[r["dp"]]
         e_out = _max_err(r["out"], ref["out"][:, idx])
         e_grad = max(_max_err(r[g], ref[g][:, idx]) for g in ("dq", "dk", "dv"))

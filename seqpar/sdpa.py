@@ -36,7 +36,11 @@ What the patch does not reach:
 Every SDPA call under the context is treated as **self-attention over sequence shards**: q, k and
 v must all be this rank's shards of the same global sequence. Cross-attention to replicated
 context (text tokens) is local per rank -- run it inside :func:`local_sdpa`; calls whose query and
-key lengths differ are rejected rather than guessed.
+key lengths differ are rejected rather than guessed. Joint attention over replicated text tokens
+concatenated with sharded image tokens (Flux, SD3) is exact with ``replicated_prefix`` /
+``replicated_suffix`` (Note [Replicated tokens]); an ``attn_mask`` is refused (it would have to be
+a mask over the global sequence: use ``is_causal``, or call ``seqpar.attention`` with ``window`` /
+``chunk_size``).
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch.nn.functional as F
 from torch import Tensor
 
+from .placement.sizes import as_int
 from .state import ParallelState
 
 __all__ = ["parallel_sdpa", "local_sdpa", "scaled_dot_product_attention"]
@@ -60,7 +66,18 @@ _PATCH: dict[str, object] = {"count": 0, "original": None}
 _THREAD = threading.local()
 
 
-def _stack() -> list[tuple[ParallelState, int | None, str] | None]:
+@dataclass(frozen=True)
+class _Entry:
+    """One open ``parallel_sdpa`` context: the options its SDPA calls run with."""
+
+    state: ParallelState
+    seq_len: int | None
+    backend: str
+    replicated_prefix: int
+    replicated_suffix: int
+
+
+def _stack() -> list[_Entry | None]:
     stack = getattr(_THREAD, "stack", None)
     if stack is None:
         stack = _THREAD.stack = []
@@ -84,6 +101,8 @@ def scaled_dot_product_attention(
     state: ParallelState,
     seq_len: int | None = None,
     backend: str = "auto",
+    replicated_prefix: int = 0,
+    replicated_suffix: int = 0,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` with the same arguments, on sequence shards over ``state``.
 
@@ -99,9 +118,11 @@ def scaled_dot_product_attention(
         scale: softmax scale, default ``D ** -0.5``.
         enable_gqa: as in SDPA; required when ``Hkv != H`` (``H % Hkv == 0``).
         state: the parallel state the shards live on.
-        seq_len: the global sequence length if known (saves ``seqpar.attention`` one small
-            collective per call); ``None`` lets it find out.
+        seq_len: the global length of the sharded tokens if known (saves ``seqpar.attention``
+            one small collective per call); ``None`` lets it find out.
         backend: attention backend for ``seqpar.attention``.
+        replicated_prefix, replicated_suffix: leading / trailing tokens of q, k, v that are the
+            same on every rank (joint attention's text), as in ``seqpar.attention``.
 
     Returns:
         ``(..., H, S_local, Dv)``: this rank's shard of SDPA over the full sequence, in the
@@ -157,7 +178,7 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
 
-    from .hybrid import attention  # lazy: keeps this module importable on its own
+    from .attention import attention  # lazy: keeps this module importable on its own
 
     # Fold the leading dims into one batch dim (SDPA's 3-D form (H, S, D) becomes batch 1).
     q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
@@ -171,6 +192,8 @@ def scaled_dot_product_attention(
         layout="bhsd",
         backend=backend,
         seq_len=seq_len,
+        replicated_prefix=replicated_prefix,
+        replicated_suffix=replicated_suffix,
     )
     return out.reshape(*lead, *out.shape[1:])
 
@@ -195,7 +218,6 @@ def _dispatch(
         return _original_sdpa()(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
         )
-    state, seq_len, backend = top
     stack.append(None)  # an SDPA call made by seqpar itself must not recurse into seqpar
     try:
         return scaled_dot_product_attention(
@@ -207,9 +229,11 @@ def _dispatch(
             is_causal,
             scale,
             enable_gqa,
-            state=state,
-            seq_len=seq_len,
-            backend=backend,
+            state=top.state,
+            seq_len=top.seq_len,
+            backend=top.backend,
+            replicated_prefix=top.replicated_prefix,
+            replicated_suffix=top.replicated_suffix,
         )
     finally:
         stack.pop()
@@ -235,7 +259,7 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def _push(entry: tuple[ParallelState, int | None, str] | None) -> Iterator[None]:
+def _push(entry: _Entry | None) -> Iterator[None]:
     _install()
     stack = _stack()
     stack.append(entry)
@@ -248,7 +272,12 @@ def _push(entry: tuple[ParallelState, int | None, str] | None) -> Iterator[None]
 
 
 def parallel_sdpa(
-    state: ParallelState, *, seq_len: int | None = None, backend: str = "auto"
+    state: ParallelState,
+    *,
+    seq_len: int | None = None,
+    backend: str = "auto",
+    replicated_prefix: int = 0,
+    replicated_suffix: int = 0,
 ) -> contextlib.AbstractContextManager[None]:
     """Context manager: ``F.scaled_dot_product_attention`` runs over sequence shards of ``state``.
 
@@ -264,6 +293,9 @@ def parallel_sdpa(
         seq_len: the global length of every sharded sequence attended under the context, if
             known: saves one small collective per SDPA call (a call on another length raises).
         backend: attention backend passed to ``seqpar.attention``.
+        replicated_prefix, replicated_suffix: every SDPA call under the context is joint
+            attention whose first / last tokens are replicated on every rank (the text tokens of
+            Flux / SD3 blocks, concatenated before or after the sharded image tokens).
 
     Raises:
         ValueError: if ``state`` is not a ``ParallelState``. Calls under the context raise
@@ -278,9 +310,11 @@ def parallel_sdpa(
     """
     if not isinstance(state, ParallelState):
         raise ValueError(f"parallel_sdpa: state must be a seqpar.ParallelState, got {type(state).__name__}")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0):
-        raise ValueError(f"parallel_sdpa: seq_len must be None or a non-negative int, got {seq_len!r}")
-    return _push((state, seq_len, backend))
+    if seq_len is not None:
+        seq_len = as_int(seq_len, "seq_len", "parallel_sdpa")
+    prefix = as_int(replicated_prefix, "replicated_prefix", "parallel_sdpa")
+    suffix = as_int(replicated_suffix, "replicated_suffix", "parallel_sdpa")
+    return _push(_Entry(state, seq_len, backend, prefix, suffix))
 
 
 def local_sdpa() -> contextlib.AbstractContextManager[None]:

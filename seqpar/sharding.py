@@ -1,8 +1,8 @@
 """Shard a global sequence onto CP ranks and back, following Note [Sharding placement].
 
-Gradients are partial (DESIGN.md): ``shard``'s backward scatters the local gradient into zeros
-(no communication), so per-rank gradients sum over the CP group to the exact gradient;
-``unshard``'s backward reduce-scatters.
+Gradients are partial (see ``docs/api.md``): ``shard``'s backward scatters the local gradient
+into zeros (no communication), so per-rank gradients sum over the CP group to the exact
+gradient; ``unshard``'s backward reduce-scatters.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
-from . import layout
-from .comm import all_gather
-from .comm._group import check_dim, exchange_ints
+from .comm import all_gather, check_dim, exchange_ints
+from .placement import Placement
+from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState
 
-__all__ = ["shard", "unshard", "shard_positions", "shard_packed", "unshard_packed", "exchange_seq_len"]
+__all__ = ["shard", "unshard", "shard_positions", "shard_packed", "unshard_packed", "shard_packed_positions"]
 
 
 def _check(x: object, state: object, where: str) -> None:
@@ -26,74 +26,26 @@ def _check(x: object, state: object, where: str) -> None:
         raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
 
 
-def _local_ranges(seq_len: int, state: ParallelState) -> list[tuple[int, int]]:
-    """Global ``(start, stop)`` ranges this rank holds (at most two), in local order."""
-    chunks = layout.zigzag_chunk_ranges(seq_len, state.ring_size, state.ring_rank)
-    total = sum(b - a for a, b in chunks)
-    lo, hi = layout.local_range(total, state.ulysses_size, state.ulysses_rank)
-    out, pos = [], 0
-    for a, b in chunks:
-        # Intersect the chunk's local span [pos, pos + b - a) with [lo, hi).
-        s, e = max(lo, pos), min(hi, pos + b - a)
-        if e > s:
-            out.append((a + s - pos, a + e - pos))
-        pos += b - a
-    return out
+def _local_ranges(placement: Placement, cp_rank: int) -> list[tuple[int, int]]:
+    """Global ``(start, stop)`` ranges a CP rank holds of a dense sequence (at most two)."""
+    index = placement.global_index(cp_rank)
+    if index.numel() == 0:
+        return []
+    breaks = torch.nonzero(index[1:] != index[:-1] + 1).flatten().tolist()
+    starts = [0, *(b + 1 for b in breaks)]
+    stops = [*(b + 1 for b in breaks), index.numel()]
+    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip(starts, stops)]
 
 
-def shard_positions(
-    seq_len: int, state: ParallelState, device: torch.device | str | None = None
-) -> torch.Tensor:
+def shard_positions(seq_len: int, state: ParallelState, device: torch.device | str | None = None) -> torch.Tensor:
     """Global position of each local token, ``[S_local]`` int64 (e.g. ``position_ids`` for RoPE).
 
     Raises:
         ValueError: if ``seq_len`` is negative or not an int.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"shard_positions: seq_len must be a non-negative int, got {seq_len!r}")
-    pos = layout.ranges_to_index(_local_ranges(seq_len, state))
+    seq_len = as_int(seq_len, "seq_len", "shard_positions")
+    pos = Placement.dense(seq_len, state.ring_size, state.ulysses_size).global_index(state.cp_rank)
     return pos.to(device) if device is not None else pos
-
-
-def exchange_seq_len(
-    local: int,
-    state: ParallelState,
-    device: torch.device,
-    where: str,
-    agree: tuple[str, list[int]] | None = None,
-) -> int:
-    """The global length ``S`` from every CP rank's local length (one all-gather of a few ints).
-
-    Every rank checks the result the same way, so a mistake raises the same error everywhere
-    instead of leaving some ranks waiting in a collective.
-
-    Args:
-        local: this rank's shard length.
-        agree: ``(label, values)``: ints every CP rank must share (e.g. ``("(B, H, Hkv, D)",
-            [B, H, Hkv, D])``), exchanged in the same collective.
-
-    Raises:
-        ValueError: if the ranks disagree on ``agree``, or their lengths are not the placement
-            (``layout.shard_lengths``) of their sum.
-    """
-    label, values = agree if agree is not None else ("", [])
-    rows = exchange_ints([local, *values], state.cp_group, device)
-    dims = [row[1:] for row in rows]
-    if any(d != dims[0] for d in dims):
-        raise ValueError(
-            f"{where}: the CP ranks disagree on {label}: {dims} (in cp_rank order); every "
-            "rank must pass shards of the same tensors"
-        )
-    got = [row[0] for row in rows]
-    total = sum(got)
-    want = layout.shard_lengths(total, state.ring_size, state.ulysses_size)
-    if got != want:
-        raise ValueError(
-            f"{where}: the CP ranks hold {got} tokens (cp_rank order), which is not the placement "
-            f"of their {total} tokens over ring {state.ring_size} x ulysses {state.ulysses_size} "
-            f"({want}); shard inputs with seqpar.shard(x, state, dim=<sequence dim>)"
-        )
-    return total
 
 
 def shard(x: torch.Tensor, state: ParallelState, dim: int = 1) -> torch.Tensor:
@@ -104,8 +56,9 @@ def shard(x: torch.Tensor, state: ParallelState, dim: int = 1) -> torch.Tensor:
         state: the parallel state; placement per Note [Sharding placement].
 
     Returns:
-        ``[..., S_local, ...]`` where ``S_local = layout.shard_lengths(S, R, U)[cp_rank]``.
-        Backward scatters the gradient into zeros at this rank's positions (no communication).
+        ``[..., S_local, ...]``: this rank's tokens in local order (at most two contiguous pieces,
+        so the result is a view or one concatenation). Backward scatters the gradient into zeros
+        at this rank's positions (no communication).
 
     Raises:
         ValueError: if ``x`` is not a tensor, ``state`` is not a ParallelState or ``dim`` is out
@@ -113,16 +66,18 @@ def shard(x: torch.Tensor, state: ParallelState, dim: int = 1) -> torch.Tensor:
     """
     _check(x, state, "shard")
     dim = check_dim(dim, x.ndim, "dim", "shard")
-    pieces = [x.narrow(dim, a, b - a) for a, b in _local_ranges(x.shape[dim], state)]
+    placement = Placement.dense(x.shape[dim], state.ring_size, state.ulysses_size)
+    pieces = [x.narrow(dim, a, b - a) for a, b in _local_ranges(placement, state.cp_rank)]
     if not pieces:
         return x.narrow(dim, 0, 0)
     return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
 
 
 def _gather_and_unpermute(
-    x: torch.Tensor, state: ParallelState, dim: int, sizes: list[int], perm: torch.Tensor
+    x: torch.Tensor, state: ParallelState, dim: int, placement: Placement
 ) -> torch.Tensor:
-    full = all_gather(x, state.cp_group, dim, sizes)  # shards in cp_rank order
+    full = all_gather(x, state.cp_group, dim, list(placement.shard_lengths))  # cp_rank order
+    perm = placement.permutation()
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel())
     return full.index_select(dim, inv.to(x.device))
@@ -133,7 +88,8 @@ def unshard(x: torch.Tensor, state: ParallelState, dim: int = 1, size: int | Non
 
     Args:
         x: this rank's shard ``[..., S_local, ...]`` (sequence along ``dim``).
-        size: the global length ``S``; ``None`` infers it from the shards (one small collective).
+        size: the global length ``S``; ``None`` infers it from the shards (one small collective,
+            after which every rank checks the lengths the same way).
 
     Returns:
         ``[..., S, ...]`` on every CP rank. Backward reduce-scatters: each rank gets the sum over
@@ -146,28 +102,33 @@ def unshard(x: torch.Tensor, state: ParallelState, dim: int = 1, size: int | Non
     dim = check_dim(dim, x.ndim, "dim", "unshard")
     R, U = state.ring_size, state.ulysses_size
     if size is None:
-        size = exchange_seq_len(x.shape[dim], state, x.device, "unshard")
-    want = layout.shard_lengths(size, R, U)
+        got = [row[0] for row in exchange_ints([x.shape[dim]], state.cp_group, x.device)]
+        size = sum(got)
+        want = list(Placement.dense(size, R, U).shard_lengths)
+        if got != want:
+            raise ValueError(
+                f"unshard: the CP ranks hold {got} tokens along dim {dim}, not the placement of "
+                f"their {size} tokens over ring {R} x ulysses {U} ({want}); shard with seqpar.shard"
+            )
+    size = as_int(size, "size", "unshard")
+    placement = Placement.dense(size, R, U)
+    want = placement.shard_lengths
     if x.shape[dim] != want[state.cp_rank]:
         raise ValueError(
             f"unshard: cp rank {state.cp_rank} holds {x.shape[dim]} tokens along dim {dim}, but "
-            f"size={size} over ring {R} x ulysses {U} places {want[state.cp_rank]} there ({want})"
+            f"size={size} over ring {R} x ulysses {U} places {want[state.cp_rank]} there ({list(want)})"
         )
     if state.cp_size == 1:
         return x
-    return _gather_and_unpermute(x, state, dim, want, layout.placement_permutation(size, R, U))
+    return _gather_and_unpermute(x, state, dim, placement)
 
 
-def _packed_total(seq_lens: Sequence[int], where: str) -> tuple[list[int], int]:
-    try:
-        lens = layout.check_seq_lens(seq_lens)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return lens, sum(lens)
+def _packed(seq_lens: Sequence[int] | torch.Tensor, state: ParallelState, where: str) -> Placement:
+    return Placement(check_seq_lens(seq_lens, where), state.ring_size, state.ulysses_size)
 
 
 def shard_packed(x: torch.Tensor, state: ParallelState, seq_lens: Sequence[int], dim: int = 0) -> torch.Tensor:
-    """This rank's shard of packed sequences: each sequence zig-zagged on its own.
+    """This rank's shard of packed sequences: each sequence zig-zagged over the ring on its own.
 
     Args:
         x: ``[..., T, ...]`` with ``T = sum(seq_lens)`` packed tokens along ``dim`` (default 0,
@@ -175,20 +136,20 @@ def shard_packed(x: torch.Tensor, state: ParallelState, seq_lens: Sequence[int],
         seq_lens: lengths of the packed sequences (any non-negative ints).
 
     Returns:
-        ``[..., T_local, ...]`` with ``T_local = layout.packed_shard_lengths(seq_lens, R, U)[cp_rank]``.
+        ``[..., T_local, ...]``: this rank's tokens per Note [Sharding placement] (the single
+        source of the packed placement; see ``docs/sharding.md``).
 
     Raises:
         ValueError: negative lengths, or ``sum(seq_lens) != x.shape[dim]``.
     """
     _check(x, state, "shard_packed")
     dim = check_dim(dim, x.ndim, "dim", "shard_packed")
-    lens, total = _packed_total(seq_lens, "shard_packed")
-    if total != x.shape[dim]:
+    placement = _packed(seq_lens, state, "shard_packed")
+    if placement.total != x.shape[dim]:
         raise ValueError(
-            f"shard_packed: seq_lens sum to {total} but x has {x.shape[dim]} tokens along dim {dim}"
+            f"shard_packed: seq_lens sum to {placement.total} but x has {x.shape[dim]} tokens along dim {dim}"
         )
-    idx = layout.packed_positions(lens, state.ring_size, state.ring_rank, state.ulysses_size, state.ulysses_rank)
-    return x.index_select(dim, idx.to(x.device))
+    return x.index_select(dim, placement.global_index(state.cp_rank).to(x.device))
 
 
 def unshard_packed(x: torch.Tensor, state: ParallelState, seq_lens: Sequence[int], dim: int = 0) -> torch.Tensor:
@@ -202,15 +163,31 @@ def unshard_packed(x: torch.Tensor, state: ParallelState, seq_lens: Sequence[int
     """
     _check(x, state, "unshard_packed")
     dim = check_dim(dim, x.ndim, "dim", "unshard_packed")
-    lens, total = _packed_total(seq_lens, "unshard_packed")
-    R, U = state.ring_size, state.ulysses_size
-    want = layout.packed_shard_lengths(lens, R, U)
+    placement = _packed(seq_lens, state, "unshard_packed")
+    want = placement.shard_lengths
     if x.shape[dim] != want[state.cp_rank]:
         raise ValueError(
             f"unshard_packed: cp rank {state.cp_rank} holds {x.shape[dim]} tokens along dim {dim}, "
-            f"but seq_lens (total {total}) over ring {R} x ulysses {U} place {want[state.cp_rank]} "
-            f"there ({want})"
+            f"but seq_lens (total {placement.total}) over ring {state.ring_size} x ulysses "
+            f"{state.ulysses_size} place {want[state.cp_rank]} there ({list(want)})"
         )
     if state.cp_size == 1:
         return x
-    return _gather_and_unpermute(x, state, dim, want, layout.packed_placement_permutation(lens, R, U))
+    return _gather_and_unpermute(x, state, dim, placement)
+
+
+def shard_packed_positions(
+    seq_lens: Sequence[int] | torch.Tensor, state: ParallelState, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Position of every local token within its own sequence, ``[T_local]`` int64.
+
+    The ``position_ids`` of packed sequences for RoPE (0 at each sequence's first token), in
+    ``shard_packed`` order.
+
+    Raises:
+        ValueError: negative or non-int lengths.
+    """
+    if not isinstance(state, ParallelState):
+        raise ValueError(f"shard_packed_positions: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    _, pos = _packed(seq_lens, state, "shard_packed_positions").local_tokens(state.cp_rank)
+    return pos.to(device) if device is not None else pos

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import layout
+from .placement.sizes import check_seq_lens, offsets
 from .comm import all_reduce
 from .state import ParallelState
 
@@ -89,12 +89,12 @@ def shift_labels(
     out = torch.full_like(labels, ignore_index, dtype=torch.long)
     out[..., :-1] = labels[..., 1:]
     if seq_lens is not None:
-        lens = layout.check_seq_lens(seq_lens)
+        lens = list(check_seq_lens(seq_lens))
         if sum(lens) != labels.shape[-1]:
             raise ValueError(
                 f"shift_labels: seq_lens sum to {sum(lens)} but labels have {labels.shape[-1]} tokens"
             )
-        ends = [e - 1 for s, e in zip(layout.offsets(lens), layout.offsets(lens)[1:]) if e > s]
+        ends = [e - 1 for s, e in zip(offsets(lens), offsets(lens)[1:]) if e > s]
         out[..., ends] = ignore_index
     return out
 

@@ -217,6 +217,20 @@ def _valid():
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, layout="bsh"), r"unknown layout 'bsh'.*bshd"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, backend="nope"), "unknown attention backend 'nope'"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, backend=3), "backend must be a backend name"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, window=(2,)), r"window must be \(left, right\)"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, window=(-2, 1)), r"ints >= -1"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, causal=True, window=(4, 2)), "contradicts causal=True"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, chunk_size=0), "chunk_size must be a positive int"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, softcap=-1.0), "softcap must be a finite float >= 0"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, softcap=float("nan")), "softcap must be"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, sinks=torch.zeros(3)), r"one logit per query head, shape \(4,\)"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, sinks=[0.0] * 4), "sinks must be a floating tensor"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, replicated_prefix=4, replicated_suffix=3),
+         "exceed the 6 local tokens"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, replicated_prefix=2, causal=True),
+         "need non-causal attention without window or chunks, got causal"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, replicated_suffix=-1), "replicated_suffix must be"),
+        (lambda q, k, v, s: seqpar.attention(q, k, v, s, softcap=1.0, backend="cpu"), "has no softcap"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, causal=1), "causal must be True or False"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, softmax_scale="x"), "softmax_scale must be"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, seq_len=7), r"holds 6 tokens, but seq_len=7"),
@@ -238,16 +252,22 @@ def _rank_placement_errors(_: None) -> list[str]:
     for R, U in [(1, 2), (2, 1)]:
         state = ParallelState(ring_size=R, ulysses_size=U)
         rank = state.cp_rank
-        # 2 + 4 = 6 tokens, but the placement of 6 is [3, 3] (either factorization).
+        # 2 + 4 = 6 tokens, but the placement of 6 is [3, 3] (either factorization): causal
+        # attention depends on positions, so it is refused on every rank.
         x = torch.zeros(1, 2 + 2 * rank, 2, 8)
-        with pytest.raises(ValueError, match=r"hold \[2, 4\] tokens.*placement of their 6 tokens"):
-            seqpar.attention(x, x, x, state)
+        with pytest.raises(ValueError, match=r"hold \[2, 4\] tokens.*placement of their 6 tokens.*causal"):
+            seqpar.attention(x, x, x, state, causal=True)
         matched.append("placement")
         # Ranks disagree on the number of heads.
         x = torch.zeros(1, 4, 2 + 2 * rank, 8)
-        with pytest.raises(ValueError, match=r"disagree on \(B, H, Hkv, D\)"):
+        with pytest.raises(ValueError, match=r"disagree on the call: cp rank 0 has \(B, H, Hkv.*= \[1, 2, 2"):
             seqpar.attention(x, x, x, state)
         matched.append("disagree")
+        # ... or on an option.
+        x = torch.zeros(1, 4, 2, 8)
+        with pytest.raises(ValueError, match=r"disagree on the call"):
+            seqpar.attention(x, x, x, state, causal=rank == 0)
+        matched.append("options")
         # With seq_len given, the wrong local length raises without communication.
         x = torch.zeros(1, 4, 2, 8)
         with pytest.raises(ValueError, match="holds 4 tokens, but seq_len=10"):
@@ -258,7 +278,33 @@ def _rank_placement_errors(_: None) -> list[str]:
 
 def test_attention_placement_errors(pools):
     for rank, matched in enumerate(pools(2).run(_rank_placement_errors, None)):
-        assert len(matched) == 6, f"rank {rank}: {matched}"
+        assert len(matched) == 8, f"rank {rank}: {matched}"
+
+
+def _rank_any_lengths(_: None) -> list[float]:
+    """Non-causal attention without window or chunks accepts any local lengths (e.g. image tokens
+    split contiguously by a diffusers plan): exact against one device."""
+    errors = []
+    for R, U in [(1, 3), (3, 1)]:
+        state = ParallelState(ring_size=R, ulysses_size=U)
+        q, k, v, _ = _global_inputs(dict(B=2, S=31, H=6, Hkv=2, D=8, seed=7))
+        cuts = [0, 4, 22, 31]  # 4, 18 and 9 tokens: no placement of 31
+        rows = slice(cuts[state.cp_rank], cuts[state.cp_rank + 1])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = seqpar.attention(*(t[:, rows] for t in leaves), state, backend="reference")
+        want = reference_attention(q, k, v)[:, rows]
+        errors.append((out - want).abs().max().item())
+        grads = [g.clone() for g in torch.autograd.grad(out.sum(), leaves)]
+        ref = torch.autograd.grad(reference_attention(*leaves).sum(), leaves)
+        for g, r in zip(grads, ref):
+            dist.all_reduce(g, group=state.cp_group)
+            errors.append((g - r).abs().max().item())
+    return errors
+
+
+def test_non_causal_attention_accepts_any_shard_lengths(pools):
+    for rank, errors in enumerate(pools(3).run(_rank_any_lengths, None)):
+        assert max(errors) < 1e-10, f"rank {rank}: {errors}"
 
 
 def test_single_process_without_process_group():

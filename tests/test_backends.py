@@ -33,7 +33,7 @@ from seqpar.backends.reference import (
     reference_varlen_attention,
 )
 from seqpar.backends.torch_cuda import TorchEfficientBackend, TorchFlashBackend
-from seqpar.merge import merge_, new_accumulators
+from seqpar.parallel.merge import merge_, new_accumulators
 
 NEG_INF = float("-inf")
 CPU_BACKENDS = ["reference", "cpu"]
@@ -59,19 +59,19 @@ def _dense_inputs(b, sq, sk, h, hkv, d, seed):
             _randn(b, sk, hkv, d, gen=gen), _randn(b, sq, h, d, gen=gen))
 
 
-def _reference_dense(q, k, v, dout, causal, dtype):
+def _reference_dense(q, k, v, dout, causal, dtype, **options):
     """``out, lse, dq, dk, dv`` of ``reference_attention`` run in ``dtype`` (as float64)."""
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = reference_attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = reference_attention(q, k, v, causal=causal, return_lse=True, **options)
     grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
     return [t.detach().double() for t in (out, lse, *grads)]
 
 
-def _reference_varlen(q, k, v, dout, lens_q, lens_k, causal, dtype):
+def _reference_varlen(q, k, v, dout, lens_q, lens_k, causal, dtype, **options):
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
     out, lse = reference_varlen_attention(
-        q, k, v, lens_q, seq_lens_k=lens_k, causal=causal, return_lse=True
+        q, k, v, lens_q, seq_lens_k=lens_k, causal=causal, return_lse=True, **options
     )
     grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
@@ -103,42 +103,46 @@ def _cu(lens, device="cpu"):
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
-def _check_dense(name, device, dtype_name, b, sq, sk, h, hkv, d, causal, seed=0):
+def _check_dense(name, device, dtype_name, b, sq, sk, h, hkv, d, causal, seed=0, window=(-1, -1),
+                 softcap=0.0):
     dtype = _DTYPES[dtype_name]
-    backend = get_backend(name, device, dtype)
+    options = dict(window=window, softcap=softcap)
+    backend = get_backend(name, device, dtype, window=window != (-1, -1), softcap=softcap > 0)
     q, k, v, dout = _dense_inputs(b, sq, sk, h, hkv, d, seed)
-    ref = _reference_dense(q, k, v, dout, causal, torch.float64)
-    same = (_reference_dense(*(t.to(device) for t in (q, k, v, dout)), causal, dtype)
+    ref = _reference_dense(q, k, v, dout, causal, torch.float64, **options)
+    same = (_reference_dense(*(t.to(device) for t in (q, k, v, dout)), causal, dtype, **options)
             if dtype_name not in _TOL else ref)
     args = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     scale = d**-0.5
-    out, lse = backend.forward(*args[:3], causal=causal, scale=scale)
+    out, lse = backend.forward(*args[:3], causal=causal, scale=scale, **options)
     assert out.dtype == dtype and out.device.type == torch.device(device).type
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    grads = backend.backward(args[3], *args[:3], out, lse, causal=causal, scale=scale)
+    grads = backend.backward(args[3], *args[:3], out, lse, causal=causal, scale=scale, **options)
     for x, g in zip(args[:3], grads):
         assert g.dtype == dtype and g.shape == x.shape
     for what, actual, r, s in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref, same):
         _assert_accurate(what, actual, r, s, dtype_name)
 
 
-def _check_varlen(name, device, dtype_name, lens_q, lens_k, h, hkv, d, causal, seed=0):
+def _check_varlen(name, device, dtype_name, lens_q, lens_k, h, hkv, d, causal, seed=0,
+                  window=(-1, -1), softcap=0.0):
     dtype = _DTYPES[dtype_name]
-    backend = get_backend(name, device, dtype)
+    options = dict(window=window, softcap=softcap)
+    backend = get_backend(name, device, dtype, window=window != (-1, -1), softcap=softcap > 0)
     gen = torch.Generator().manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
     q, k, v = _randn(tq, h, d, gen=gen), _randn(tk, hkv, d, gen=gen), _randn(tk, hkv, d, gen=gen)
     dout = _randn(tq, h, d, gen=gen)
-    ref = _reference_varlen(q, k, v, dout, lens_q, lens_k, causal, torch.float64)
+    ref = _reference_varlen(q, k, v, dout, lens_q, lens_k, causal, torch.float64, **options)
     same = (_reference_varlen(*(t.to(device) for t in (q, k, v, dout)), lens_q, lens_k, causal,
-                              dtype)
+                              dtype, **options)
             if dtype_name not in _TOL else ref)
     args = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     cu = (_cu(lens_q, device), _cu(lens_k, device), max(lens_q, default=0),
           max(lens_k, default=0))
-    out, lse = backend.varlen_forward(*args[:3], *cu, causal=causal, scale=d**-0.5)
+    out, lse = backend.varlen_forward(*args[:3], *cu, causal=causal, scale=d**-0.5, **options)
     grads = backend.varlen_backward(
-        args[3], *args[:3], out, lse, *cu, causal=causal, scale=d**-0.5
+        args[3], *args[:3], out, lse, *cu, causal=causal, scale=d**-0.5, **options
     )
     for what, actual, r, s in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref, same):
         _assert_accurate(what, actual, r, s, dtype_name)
@@ -166,11 +170,61 @@ def test_dense_heads_gqa(name, dtype_name, causal, heads):
 
 
 @pytest.mark.parametrize("sq, sk", [(5, 37), (37, 5), (1, 129), (129, 1), (64, 3)])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 1), (3, 3)], ids=lambda p: f"H{p[0]}kv{p[1]}")
 @pytest.mark.parametrize("dtype_name", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("name", CPU_BACKENDS)
-def test_dense_rectangular_non_causal(name, dtype_name, heads, sq, sk):
-    _check_dense(name, "cpu", dtype_name, 2, sq, sk, *heads, 16, False, seed=sq * sk)
+def test_dense_rectangular(name, dtype_name, heads, causal, sq, sk):
+    # causal blocks that are not square are aligned bottom-right (flash-attn); with sq > sk the
+    # first rows see no key at all (out 0, lse -inf).
+    _check_dense(name, "cpu", dtype_name, 2, sq, sk, *heads, 16, causal, seed=sq * sk)
+
+
+# Windows (left, right) in flash-attn's convention, incl. ones that cut every row, leave rows
+# without keys, or are wider than the block.
+_WINDOWS = [(0, 0), (3, -1), (-1, 2), (2, 5), (10, 1), (0, -1), (200, 200)]
+
+
+@pytest.mark.parametrize("window", _WINDOWS, ids=str)
+@pytest.mark.parametrize("sq, sk", [(37, 37), (5, 37), (37, 5), (64, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_dense_windows(name, causal, sq, sk, window):
+    if causal and window[1] > 0:
+        window = (window[0], 0)
+    for dtype_name in ("float64", "float32", "bfloat16"):
+        _check_dense(name, "cpu", dtype_name, 2, sq, sk, 4, 2, 16, causal, seed=sq + sk,
+                     window=window)
+
+
+def test_cpu_windows_tile_large_blocks(monkeypatch):
+    # Small tiles force several row tiles per block (Note [CPU windows]); results are unchanged.
+    from seqpar.backends import cpu
+    monkeypatch.setattr(cpu, "_MASK_ELEMENTS", 64)
+    for window in ((7, 0), (2, 9), (-1, 3)):
+        _check_dense("cpu", "cpu", "float64", 1, 150, 150, 2, 1, 8, False, window=window)
+        _check_varlen("cpu", "cpu", "float64", [150, 3, 40], [150, 3, 40], 2, 1, 8, True,
+                      window=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32", "bfloat16"])
+def test_reference_backend_softcap(dtype_name, causal):
+    for window in ((-1, -1), (4, 0)):
+        _check_dense("reference", "cpu", dtype_name, 2, 37, 37, 4, 2, 16, causal, window=window,
+                     softcap=3.0)
+        _check_varlen("reference", "cpu", dtype_name, [9, 0, 30, 2], [9, 0, 30, 2], 4, 2, 16,
+                      causal, window=window, softcap=3.0)
+
+
+def test_cpu_backend_refuses_softcap_and_auto_picks_reference():
+    with pytest.raises(ValueError, match="'cpu' cannot run.*has no softcap"):
+        get_backend("cpu", "cpu", torch.float32, softcap=True)
+    assert get_backend("auto", "cpu", torch.float32, softcap=True).name == "reference"
+    assert get_backend("auto", "cpu", torch.float32, window=True).name == "cpu"
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="attention backend 'cpu': the CPU flash kernel has no softcap"):
+        CpuFlashBackend().forward(q, q, q, causal=False, scale=1.0, softcap=2.0)
 
 
 @pytest.mark.parametrize("dtype_name", ["float64", "float16"])
@@ -337,6 +391,20 @@ def test_varlen_matches_reference(name, dtype_name, causal, case):
     _check_varlen(name, "cpu", dtype_name, lens_q, lens_k, *heads, 16, causal)
 
 
+@pytest.mark.parametrize("window", [(0, 0), (3, -1), (2, 5), (30, 1)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_varlen_windows(name, causal, window):
+    # Per-sequence bottom-right windows, with sequences of different q and k lengths (direct
+    # calls for long ones, padded buckets with window masks for short ones).
+    if causal and window[1] > 0:
+        window = (window[0], 0)
+    lens_q, heads = _VARLEN_CASES["mixed"]
+    lens_k = _key_lengths(lens_q, False, seed=3)
+    for dtype_name in ("float64", "float32"):
+        _check_varlen(name, "cpu", dtype_name, lens_q, lens_k, *heads, 16, causal, window=window)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_varlen_random_lengths(name, seed):
@@ -351,18 +419,20 @@ def test_varlen_random_lengths(name, seed):
 
 def test_cpu_varlen_plan_covers_every_path():
     lens = _VARLEN_CASES["mixed"][0] + [16] * 5 + [9, 10]
-    plan = _plan(lens, _key_lengths(lens, False, 0), causal=False)
+    plan = _plan(lens, _key_lengths(lens, False, 0))
     assert plan.direct, "no sequence took a direct kernel call"
     assert any(b.q.start is None for b in plan.buckets), "no gathered (padded) bucket"
-    assert any(b.needs_key_mask for b in plan.buckets), "no bucket with padded keys"
-    plan = _plan([16] * 12, [16] * 12, causal=True)
+    assert any(b.mask((-1, -1), torch.float32, "cpu")[1] is not None for b in plan.buckets), (
+        "no bucket with padded keys"
+    )
+    plan = _plan([16] * 12, [16] * 12)
     assert len(plan.buckets) == 1 and plan.buckets[0].q.start == 0, "uniform run is not a view"
-    assert plan.covers_all(192, 192), "a uniform run is not one call on views"
-    assert _plan([57], [40], causal=False).covers_all(57, 40)
-    assert not _plan([0, 57], [3, 40], causal=False).covers_all(57, 43)
+    assert plan.buckets[0].mask((-1, 0), torch.float32, "cpu") == (True, None, None)
+    assert _plan([57], [40]).covers_all(57, 40)
+    assert not _plan([0, 57], [3, 40]).covers_all(57, 43)
     # Each packed token is covered exactly once.
     covered = torch.zeros(sum(lens), dtype=torch.int64)
-    plan = _plan(lens, lens, causal=True)
+    plan = _plan(lens, lens)
     for s_q, l_q, _, _ in plan.direct:
         covered[s_q:s_q + l_q] += 1
     for bucket in plan.buckets:
@@ -461,8 +531,6 @@ def test_varlen_queries_without_keys(name):
 def test_varlen_input_errors(name):
     backend = get_backend(name, "cpu", torch.float32)
     q = torch.randn(9, 2, 8)
-    with pytest.raises(ValueError, match="causal varlen attention needs equal q and k lengths"):
-        backend.varlen_forward(q, q, q, _cu([5, 4]), _cu([4, 5]), 5, 5, causal=True, scale=1.0)
     with pytest.raises(ValueError, match="must rise from 0 to the 9 q tokens"):
         backend.varlen_forward(q, q, q, _cu([5, 3]), _cu([5, 4]), 5, 5, causal=False, scale=1.0)
     with pytest.raises(ValueError, match="multiple of the 3 key/value heads"):
@@ -472,9 +540,6 @@ def test_varlen_input_errors(name):
     with pytest.raises(ValueError, match="must rise from 0 to the 9 k tokens"):
         backend.varlen_forward(q[:0], q, q, _cu([0, 0]), _cu([5, 3]), 0, 5, causal=False,
                                scale=1.0)
-    with pytest.raises(ValueError, match="causal varlen attention needs equal q and k lengths"):
-        backend.varlen_backward(q, q, q[:0], q[:0], q, q.new_zeros(2, 9), _cu([5, 4]),
-                                _cu([0, 0]), 5, 0, causal=True, scale=1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,8 +562,27 @@ def test_reference_attention_gqa_and_lse():
     torch.testing.assert_close(out, reference_attention(q, k_full, v_full, scale=0.5))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k_full) * 0.5
     torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))
-    with pytest.raises(ValueError, match="causal reference attention needs seqlen_q == seqlen_k"):
-        reference_attention(q, k, v, causal=True)
+
+
+def test_reference_attention_masks_sinks_and_softcap():
+    # Every option against an explicit masked softmax written out here.
+    q, k, v, _ = _dense_inputs(1, 9, 11, 2, 1, 4, seed=5)
+    sinks = torch.tensor([0.3, -1.0], dtype=torch.float64)
+    out, lse = reference_attention(q, k, v, causal=True, window=(3, -1), chunk_size=5,
+                                   softcap=2.0, sinks=sinks, scale=0.7, return_lse=True)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.7
+    scores = 2.0 * torch.tanh(scores / 2.0)
+    i = torch.arange(9)[:, None] + 2  # bottom-right: query row i has position i + Sk - Sq
+    j = torch.arange(11)[None, :]
+    allowed = (j <= i) & (j >= i - 3) & (i // 5 == j // 5)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    full = torch.cat([scores, sinks.view(1, 2, 1, 1).expand(1, 2, 9, 1)], -1)
+    probs = torch.softmax(full, -1)[..., :-1]
+    torch.testing.assert_close(out, torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(2, 2)))
+    torch.testing.assert_close(lse, torch.logsumexp(full, -1))
+    # A row that sees no key: out 0, lse -inf (with sinks: lse = the sink).
+    out, lse = reference_attention(q[:, :3], k[:, :1], v[:, :1], causal=True, return_lse=True)
+    assert (out[:, :2] == 0).all() and (lse[..., :2] == float("-inf")).all()
 
 
 def test_reference_varlen_is_per_sequence():
@@ -574,14 +658,15 @@ def test_packed_and_padded_lse_round_trip():
 # flash_attn backend logic on CPU, through fake packages with the real signatures
 
 
-def _fake_dense_forward(q, k, v, scale, causal):
-    out, lse = ReferenceBackend().forward(q, k, v, causal=causal, scale=scale)
+def _fake_dense_forward(q, k, v, scale, causal, window=(-1, -1), softcap=0.0):
+    out, lse = ReferenceBackend().forward(q, k, v, causal=causal, scale=scale, window=window,
+                                          softcap=softcap)
     return out, lse.masked_fill(lse == NEG_INF, float("inf"))  # FA2 marks no-key rows +inf
 
 
-def _fake_varlen_forward(q, k, v, cu_q, cu_k, scale, causal):
+def _fake_varlen_forward(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1), softcap=0.0):
     out, lse = ReferenceBackend().varlen_forward(q, k, v, cu_q, cu_k, 0, 0, causal=causal,
-                                                 scale=scale)
+                                                 scale=scale, window=window, softcap=softcap)
     return out, lse.masked_fill(lse == NEG_INF, float("inf"))
 
 
@@ -598,32 +683,35 @@ def _fake_fa2(version):
     if old:
         def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 return_softmax):
-            assert dropout_p == 0.0 and window_size == (-1, -1) and not return_softmax
-            out, lse = _fake_dense_forward(q, k, v, softmax_scale, causal)
+            assert dropout_p == 0.0 and not return_softmax
+            out, lse = _fake_dense_forward(q, k, v, softmax_scale, causal, window_size, softcap)
             return out, q, k, v, out, lse, None, None
 
         def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, deterministic, rng_state=None):
             fill(dq, dk, dv, ref.backward(dout, q, k, v, out, softmax_lse, causal=causal,
-                                          scale=softmax_scale))
+                                          scale=softmax_scale, window=window_size,
+                                          softcap=softcap))
     else:
         def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                 softcap, alibi_slopes, return_softmax):
-            assert (window_size_left, window_size_right) == (-1, -1)
-            out, lse = _fake_dense_forward(q, k, v, softmax_scale, causal)
+            window = (window_size_left, window_size_right)
+            out, lse = _fake_dense_forward(q, k, v, softmax_scale, causal, window, softcap)
             return out, lse, None, None
 
         def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                 rng_state=None):
             fill(dq, dk, dv, ref.backward(dout, q, k, v, out, softmax_lse, causal=causal,
-                                          scale=softmax_scale))
+                                          scale=softmax_scale,
+                                          window=(window_size_left, window_size_right),
+                                          softcap=softcap))
 
     def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                    alibi_slopes=None, return_softmax=False, block_table=None):
         out, lse = _fake_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
-                                        causal)
+                                        causal, (window_size_left, window_size_right), softcap)
         if not packed:
             lse = padded_lse_from_packed(lse, cu_seqlens_q, max_seqlen_q)
         return (out, q, k, v, out, lse, None, None) if old else (out, lse, None, None)
@@ -637,7 +725,9 @@ def _fake_fa2(version):
             softmax_lse = packed_lse_from_padded(softmax_lse, cu_seqlens_q, q.shape[0])
         fill(dq, dk, dv, ref.varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q,
                                              cu_seqlens_k, 0, 0, causal=causal,
-                                             scale=softmax_scale))
+                                             scale=softmax_scale,
+                                             window=(window_size_left, window_size_right),
+                                             softcap=softcap))
 
     package = types.ModuleType("flash_attn")
     package.__version__ = ".".join(map(str, version))
@@ -662,17 +752,22 @@ def test_flash_attn_backend_logic_with_fake_package(monkeypatch, version, causal
         assert api is not None and api.kind == "fa2"
         assert api.packed_varlen_lse == (version >= (2, 6))
         backend = flash_attn_module.FlashAttnBackend()
-        # Dense, including a head dim that needs padding to a multiple of 8.
+        # Dense, including a head dim that needs padding to a multiple of 8, windows and softcap
+        # (passed through by name: window_size before 2.6.2, window_size_left/right after).
+        options = [dict(window=(-1, -1), softcap=0.0), dict(window=(3, 0 if causal else 2), softcap=0.0)]
+        if version >= (2, 6):
+            options.append(dict(window=(2, -1), softcap=1.5))
         for d in (16, 12):
-            q, k, v, dout = _dense_inputs(2, 9, 9, 4, 2, d, seed=d)
-            ref = _reference_dense(q, k, v, dout, causal, torch.float64)
-            out, lse = backend.forward(q, k, v, causal=causal, scale=d**-0.5)
-            grads = backend.backward(dout, q, k, v, out, lse, causal=causal, scale=d**-0.5)
-            for what, actual, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
-                _assert_accurate(what, actual, r, r, "float32")
+            for opts in options:
+                q, k, v, dout = _dense_inputs(2, 9, 11, 4, 2, d, seed=d)
+                ref = _reference_dense(q, k, v, dout, causal, torch.float64, **opts)
+                out, lse = backend.forward(q, k, v, causal=causal, scale=d**-0.5, **opts)
+                grads = backend.backward(dout, q, k, v, out, lse, causal=causal, scale=d**-0.5, **opts)
+                for what, actual, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref):
+                    _assert_accurate(what, actual, r, r, "float32")
         # Varlen with empty sequences on either side.
         lens_q = [3, 0, 6, 2]
-        lens_k = lens_q if causal else [3, 2, 6, 0]
+        lens_k = [3, 2, 6, 0] if not causal else [3, 2, 8, 2]
         gen = torch.Generator().manual_seed(1)
         q, k, v = (_randn(sum(n), h, 8, gen=gen) for n, h in ((lens_q, 4), (lens_k, 2),
                                                               (lens_k, 2)))
@@ -779,8 +874,6 @@ _CUDA_CASES = [
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
 def test_cuda_dense_matches_reference(dtype_name, causal, case):
     b, sq, sk, h, hkv, d = case
-    if causal and sq != sk:
-        pytest.skip("causal blocks are square")
     names = _cuda_backends(_DTYPES[dtype_name])
     if not names:
         pytest.skip(f"no CUDA kernel backend for {dtype_name} on this GPU")
@@ -832,6 +925,30 @@ def test_cuda_varlen_matches_reference(dtype_name, causal):
     for name in _cuda_backends(_DTYPES[dtype_name]):
         for heads in ((4, 2), (3, 3)):
             _check_varlen(name, "cuda", dtype_name, lens_q, lens_k, *heads, 64, causal)
+
+
+@pytest.mark.cuda
+@_CUDA
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_cuda_windows_and_softcap(dtype_name):
+    # Windows run on the FlashAttention kernels that have them; softcap on flash-attn, else the
+    # reference math (what "auto" picks).
+    dtype = _DTYPES[dtype_name]
+    for window in ((0, 0), (7, 0), (5, 3), (-1, 4)):
+        names = [n for n in ("torch_flash", "flash_attn")
+                 if n in _cuda_backends(dtype) and get_backend("auto", "cuda", dtype, window=True)]
+        for name in names:
+            try:
+                get_backend(name, "cuda", dtype, window=True)
+            except ValueError:
+                continue
+            for causal in (False, True):
+                w = (window[0], 0) if causal else window
+                _check_dense(name, "cuda", dtype_name, 2, 37, 45, 4, 2, 64, causal, window=w)
+                _check_varlen(name, "cuda", dtype_name, [9, 40, 0, 3], [12, 40, 2, 3], 4, 2, 64,
+                              causal, window=w)
+    auto = get_backend("auto", "cuda", dtype, softcap=True).name
+    _check_dense(auto, "cuda", dtype_name, 2, 37, 37, 4, 2, 64, True, softcap=2.0)
 
 
 @pytest.mark.cuda

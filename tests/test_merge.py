@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from seqpar.backends.reference import reference_attention
-from seqpar.merge import accumulator_dtype, merge, merge_, new_accumulators
+from seqpar.parallel.merge import accumulator_dtype, merge, merge_, new_accumulators
 
 NEG_INF = float("-inf")
 

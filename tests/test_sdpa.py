@@ -188,6 +188,73 @@ def test_sdpa_leading_dims(pools):
         assert err5 < 1e-10 and err3 < 1e-10
 
 
+class JointBlock(nn.Module):
+    """MMDiT-style joint attention (Flux, SD3): text and image tokens get their own projections,
+    are concatenated ``[text | image]`` for one non-causal SDPA call, and split again."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv_txt, self.qkv_img = nn.Linear(dim, 3 * dim), nn.Linear(dim, 3 * dim)
+        self.o_txt, self.o_img = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, txt, img):
+        b, p, _ = txt.shape
+
+        def heads(x):
+            return x.view(b, x.shape[1], 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+
+        q, k, v = torch.cat([heads(self.qkv_txt(txt)), heads(self.qkv_img(img))], dim=3).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, self.heads * self.head_dim)
+        return txt + self.o_txt(a[:, :p]), img + self.o_img(a[:, p:])
+
+
+def _joint_case(ring, ulysses, contiguous):
+    """Text replicated on every rank, image tokens sharded (zig-zag, or contiguous as diffusers'
+    plans split them): two joint blocks under ``parallel_sdpa(replicated_prefix=P)``."""
+    state = ParallelState(ring, ulysses)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([JointBlock(12, 3) for _ in range(2)]).double()
+    g = torch.Generator().manual_seed(5)
+    P, S = 7, 45
+    txt, img = torch.randn(2, P, 12, generator=g, dtype=torch.float64), torch.randn(2, S, 12, generator=g, dtype=torch.float64)
+    w_txt, w_img = torch.randn(2, P, 12, generator=g, dtype=torch.float64), torch.randn(2, S, 12, generator=g, dtype=torch.float64)
+
+    def run(t, i):
+        for block in blocks:
+            t, i = block(t, i)
+        return t, i
+
+    ref_t, ref_i = run(txt, img)
+    params = list(blocks.parameters())
+    ref_grads = torch.autograd.grad((ref_t * w_txt).sum() + (ref_i * w_img).sum(), params)
+    if contiguous:
+        sizes = [S // state.cp_size + (c < S % state.cp_size) for c in range(state.cp_size)]
+        start = sum(sizes[: state.cp_rank])
+        rows = list(range(start, start + sizes[state.cp_rank]))
+    else:
+        rows = seqpar.shard_positions(S, state).tolist()
+    with parallel_sdpa(state, replicated_prefix=P):
+        out_t, out_i = run(txt, img[:, rows])
+    # Loss share: this rank's image rows, and the replicated text rows once over the group.
+    share = (out_t * w_txt).sum() / state.cp_size + (out_i * w_img[:, rows]).sum()
+    grads = torch.autograd.grad(share, params)
+    err = max((out_t - ref_t).abs().max().item(), (out_i - ref_i[:, rows]).abs().max().item())
+    g_err = 0.0
+    for gr, r in zip(grads, ref_grads):
+        gr = gr.clone()
+        dist.all_reduce(gr, group=state.cp_group)
+        g_err = max(g_err, (gr - r).abs().max().item())
+    return err, g_err
+
+
+@pytest.mark.parametrize("ring,ulysses,world", [(2, 2, 4), (1, 4, 4), (3, 1, 3), (1, 3, 3)])
+def test_joint_attention_with_replicated_text(pools, ring, ulysses, world):
+    for contiguous in (False, True):
+        for out_err, grad_err in pools(world).run(_joint_case, ring, ulysses, contiguous):
+            assert out_err < 1e-10 and grad_err < 1e-10, (contiguous, out_err, grad_err)
+
+
 # --- single-process behaviour of the patch -----------------------------------------------------
 
 
@@ -209,7 +276,7 @@ def test_size_one_state_equals_sdpa():
     with parallel_sdpa(ParallelState(), seq_len=5):
         with pytest.raises(ValueError, match="seq_len"):
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # 9 tokens, not 5
-    with pytest.raises(ValueError, match="seq_len must be None or a non-negative int"):
+    with pytest.raises(ValueError, match="seq_len must be a non-negative int"):
         parallel_sdpa(ParallelState(), seq_len=-1)
 
 

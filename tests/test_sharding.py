@@ -1,22 +1,31 @@
-"""Token placement (layout, shard, unshard, packed) against the contract, forward and backward."""
+"""Token placement (Placement, shard, unshard, packed) against the contract, forward and backward.
+
+The oracles below transcribe the rule of ``docs/sharding.md`` (Note [Sharding placement]) token by
+token; the library computes it vectorised over sequences.
+"""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar import layout
-from seqpar.layout import split_sizes
+from seqpar.placement import Placement, split_sizes
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (4, 1), (1, 4), (2, 4), (4, 2)]
 LENGTHS = [1, 2, 3, 5, 7, 37]
 PACKED = [[5], [1, 1, 1], [37, 1, 5], [3, 0, 2, 1], [1], [2, 9, 1, 1, 4]]
 
 
-def contract_positions(seq_len, R, r, U, u):
-    """Straight transcription of DESIGN.md's placement, as the test's oracle."""
+def _chunk_sizes(n, R, origin):
+    """Chunk sizes of an ``n``-token sequence at packed offset ``origin`` (docs/sharding.md)."""
+    P = 2 * R
+    return [n // P + ((c - origin) % P < n % P) for c in range(P)]
+
+
+def contract_positions(seq_len, R, r, U, u, origin=0):
+    """Straight transcription of the placement (dense: ``origin = 0``), as the test's oracle."""
     if R > 1:
-        chunks = split_sizes(seq_len, 2 * R)
+        chunks = _chunk_sizes(seq_len, R, origin)
         starts = [sum(chunks[:i]) for i in range(2 * R)]
         ring_local = list(range(starts[r], starts[r] + chunks[r]))
         c = 2 * R - 1 - r
@@ -31,7 +40,7 @@ def contract_positions(seq_len, R, r, U, u):
 def contract_packed_positions(seq_lens, R, r, U, u):
     ring_local, off = [], 0
     for n in seq_lens:
-        ring_local += [off + p for p in contract_positions(n, R, r, 1, 0)]
+        ring_local += [off + p for p in contract_positions(n, R, r, 1, 0, origin=off)]
         off += n
     parts = split_sizes(len(ring_local), U)
     a = sum(parts[:u])
@@ -42,6 +51,8 @@ def test_split_sizes():
     assert split_sizes(10, 4) == [3, 3, 2, 2]
     assert split_sizes(3, 4) == [1, 1, 1, 0]
     assert split_sizes(0, 3) == [0, 0, 0]
+    assert _chunk_sizes(10, 2, 0) == split_sizes(10, 4)  # the dense contract
+    assert _chunk_sizes(3, 2, 3) == [1, 1, 0, 1] and _chunk_sizes(6, 2, 1) == [1, 2, 2, 1]
     with pytest.raises(ValueError, match=r"parts must be a positive int, got 0"):
         split_sizes(4, 0)
     with pytest.raises(ValueError, match=r"n must be a non-negative int, got -1"):
@@ -52,15 +63,16 @@ def test_split_sizes():
 @pytest.mark.parametrize("seq_len", LENGTHS + [64, 129])
 def test_layout_matches_contract(R, U, seq_len):
     all_pos = []
+    placement = Placement.dense(seq_len, R, U)
     for r in range(R):
         for u in range(U):
-            pos = layout.dense_positions(seq_len, R, r, U, u).tolist()
+            pos = placement.global_index(r * U + u).tolist()
             assert pos == contract_positions(seq_len, R, r, U, u)
             all_pos += pos
-    assert layout.shard_lengths(seq_len, R, U) == [
+    assert list(placement.shard_lengths) == [
         len(contract_positions(seq_len, R, r, U, u)) for r in range(R) for u in range(U)
     ]
-    assert layout.placement_permutation(seq_len, R, U).tolist() == all_pos
+    assert placement.permutation().tolist() == all_pos
     assert sorted(all_pos) == list(range(seq_len))
 
 
@@ -68,12 +80,18 @@ def test_layout_matches_contract(R, U, seq_len):
 @pytest.mark.parametrize("seq_lens", PACKED)
 def test_packed_layout_matches_contract(R, U, seq_lens):
     all_pos = []
+    placement = Placement.packed(seq_lens, R, U)
+    starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
     for r in range(R):
         for u in range(U):
-            pos = layout.packed_positions(seq_lens, R, r, U, u).tolist()
+            pos = placement.global_index(r * U + u).tolist()
             assert pos == contract_packed_positions(seq_lens, R, r, U, u)
+            ids, within = placement.local_tokens(r * U + u)
+            assert [starts[i] + p for i, p in zip(ids.tolist(), within.tolist())] == pos
+            counts = placement.local_seq_lens(r * U + u).tolist()
+            assert counts == [ids.tolist().count(i) for i in range(len(seq_lens))]
             all_pos += pos
-    assert layout.packed_placement_permutation(seq_lens, R, U).tolist() == all_pos
+    assert placement.permutation().tolist() == all_pos
     assert sorted(all_pos) == list(range(sum(seq_lens)))
 
 
@@ -123,6 +141,9 @@ def _shard_cases(R, U):
         want = torch.zeros_like(x)
         want[pos] = 1
         assert torch.equal(leaf.grad, want), (seq_lens, "shard_packed bwd")
+        starts = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+        within = [p - max(s for s in starts if s <= p and s < T) for p in pos]
+        assert seqpar.shard_packed_positions(seq_lens, state).tolist() == within, seq_lens
         loc = x[pos].clone().requires_grad_()
         full = seqpar.unshard_packed(loc, state, seq_lens)
         assert torch.equal(full, x), (seq_lens, "unshard_packed")

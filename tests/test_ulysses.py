@@ -1,4 +1,4 @@
-"""Ulysses head placement and the all-to-all around an inner attention (seqpar.ulysses).
+"""Ulysses head placement and the all-to-all around an inner attention (seqpar.parallel.ulysses).
 
 The inner attention here is plain float64 math (no ring, no backend), so these tests check the
 head/sequence redistribution on its own: uneven heads, GQA with Hkv < U, groups straddling ranks,
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar import ParallelState, shard
-from seqpar.layout import offsets, split_sizes
-from seqpar.ulysses import head_assignments, ulysses_attention
+from seqpar.placement import offsets, split_sizes
+from seqpar.parallel.ulysses import head_assignments, ulysses_attention
 
 
 def _math_attention(q, k, v, causal: bool = False, scale: float | None = None):
@@ -132,7 +132,7 @@ def _rank_ulysses(cases: list[dict]) -> list[tuple[str, float, list[tuple]]]:
 
         seen = []
 
-        def inner(qu, ku, vu):
+        def inner(qu, ku, vu, heads):
             seen.append((tuple(qu.shape), tuple(ku.shape), tuple(vu.shape)))
             return _math_attention(qu, ku, vu, c["causal"])
 
@@ -182,7 +182,7 @@ def _rank_nonuniform(_: None) -> list[tuple]:
     ref = _math_attention(q, k, v, causal=True)
     seen = []
 
-    def inner(qu, ku, vu):
+    def inner(qu, ku, vu, heads):
         seen.append((qu.shape[2], ku.shape[2]))
         return _math_attention(qu, ku, vu, causal=True)
 

@@ -1,37 +1,21 @@
-"""Packed variable-length attention across hybrid CP (``seqpar.varlen``, ``seqpar.varlen_layout``).
+"""Packed variable-length attention across hybrid CP (``seqpar.varlen_attention``).
 
 Correctness: every CP configuration against a float64 per-sequence reference, forward and the
-gradients of global leaf tensors (summed over the CP group, DESIGN.md's gradient convention).
-Balance: the attention work per CP rank, with an exact per-sequence deviation bound (see
-``test_causal_work_deviation_bound``) from which the 1.05 balance condition follows.
+gradients of global leaf tensors (summed over the CP group, the partial-gradient convention).
+The plan behind it is checked pair by pair in ``test_ring.py``; masks in ``test_masks.py``.
 """
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import seqpar
-from seqpar import layout
-from seqpar.backends import get_backend, reference_varlen_attention
-from seqpar.merge import merge
-from seqpar.varlen_layout import (
-    local_cu_seqlens,
-    local_positions,
-    local_seq_ids,
-    local_seq_lens,
-    ring_local_lengths,
-    ring_varlen_blocks,
-    shard_token_counts,
-    varlen_work,
-    zigzag_pieces,
-)
+from seqpar.backends import reference_varlen_attention
+from seqpar.placement import Mask, Placement, attention_work, imbalance
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (3, 1), (1, 3), (2, 2), (4, 1), (1, 4), (2, 4)]
 TOL = 1e-4
@@ -50,225 +34,17 @@ def _mixes(R: int, seed: int) -> list[list[int]]:
     return mixes
 
 
-# --- placement helpers (pure) -------------------------------------------------------------------
-
-
-def _owner_tables(lens: list[int]) -> tuple[list[int], list[int]]:
-    starts = layout.offsets(lens)
-    seq_of = [s for s, n in enumerate(lens) for _ in range(n)]
-    return starts, seq_of
-
-
-@pytest.mark.parametrize("R,U", CONFIGS + [(8, 1), (3, 2)])
-def test_local_helpers_match_shard_packed(R, U):
-    rng = random.Random(R * 10 + U)
-    for _ in range(20):
-        lens = [rng.choice([0, 1, 2, 3, rng.randint(1, 8 * R + 7)]) for _ in range(rng.randint(0, 9))]
-        starts, seq_of = _owner_tables(lens)
-        for cp in range(R * U):
-            r, u = divmod(cp, U)
-            glob = layout.packed_positions(lens, R, r, U, u).tolist()
-            ids = local_seq_ids(lens, (R, U, cp)).tolist()
-            assert ids == [seq_of[p] for p in glob]
-            assert local_positions(lens, (R, U, cp)).tolist() == [p - starts[seq_of[p]] for p in glob]
-            counts = local_seq_lens(lens, (R, U, cp)).tolist()
-            assert counts == [ids.count(s) for s in range(len(lens))]
-            cu, max_len = local_cu_seqlens(lens, (R, U, cp))
-            assert cu.dtype == torch.int32 and cu.tolist() == layout.offsets(counts)
-            assert max_len == max(counts, default=0)
-        per_ring = layout.packed_shard_lengths(lens, R, U)
-        assert shard_token_counts(lens, (R, U)) == per_ring
-        assert ring_local_lengths(lens, R) == [sum(per_ring[r * U:(r + 1) * U]) for r in range(R)]
-
-
-def test_local_helpers_accept_state_and_tensor_lengths():
-    lens = [5, 0, 3]
-    state = seqpar.ParallelState()
-    assert local_positions(torch.tensor(lens), state).tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert local_seq_ids(lens, (1, 1, 0)).tolist() == [0] * 5 + [2] * 3
-    cu, max_len = local_cu_seqlens(lens, state)
-    assert cu.tolist() == [0, 5, 5, 8] and max_len == 5
-    first, second = zigzag_pieces([10, 3], 2)  # chunks [3,3,2,2] and [1,1,1,0]
-    assert first.tolist() == [[3, 1], [3, 1]] and second.tolist() == [[2, 0], [2, 1]]
-
-
-def test_helpers_reject_bad_input():
-    with pytest.raises(ValueError, match=r"seq_lens\[1\] = -2"):
-        local_positions([3, -2], (2, 1, 0))
-    with pytest.raises(ValueError, match=r"cp_rank must be an int in 0\.\.3"):
-        local_cu_seqlens([3, 4], (2, 2, 4))
-    with pytest.raises(ValueError, match=r"ring_size must be a positive int, got 0"):
-        varlen_work([3], (0, 1), True)
-    with pytest.raises(ValueError, match=r"num_heads must be a positive int"):
-        varlen_work([3], (1, 2), True, num_heads=0)
-    with pytest.raises(ValueError, match=r"ring_rank must be in 0\.\.1, got 2"):
-        ring_varlen_blocks([3], 2, 2, True)
-
-
-def _brute_work(lens: list[int], R: int, U: int, causal: bool) -> list[int]:
-    """Pairs computed per CP rank, counted token by token from the placement."""
-    starts, seq_of = _owner_tables(lens)
-    out = []
-    for cp in range(R * U):
-        r = cp // U
-        ring = torch.cat([layout.packed_positions(lens, R, r, U, u) for u in range(U)]).tolist()
-        out.append(sum(p - starts[seq_of[p]] + 1 if causal else lens[seq_of[p]] for p in ring))
-    return out
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_work_counts_pairs(causal):
-    rng = random.Random(int(causal))
-    for R, U in CONFIGS + [(8, 1)]:
-        for _ in range(6):
-            lens = [rng.choice([0, 1, 3, rng.randint(1, 50)]) for _ in range(rng.randint(1, 8))]
-            work = varlen_work(lens, (R, U), causal)
-            assert work == _brute_work(lens, R, U, causal)
-            total = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
-            assert sum(work) == U * total
-            # The ring blocks compute exactly these pairs, each once.
-            for r in range(R):
-                blocks = ring_varlen_blocks(lens, R, r, causal)
-                assert sum(b.pairs for b in blocks if b is not None) == work[r * U]
-            heads = varlen_work(lens, (R, U), causal, num_heads=5)
-            sizes = layout.split_sizes(5, U)
-            assert heads == [work[c] * sizes[c % U] for c in range(R * U)]
-
-
-# --- the ring blocks, simulated in one process --------------------------------------------------
-
-
-@pytest.mark.parametrize("R", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_blocks_simulated(R, causal):
-    """All ring steps of every ring rank in one process (no transport) vs the reference."""
-    backend = get_backend("reference", "cpu", torch.float64)
-    gen = torch.Generator().manual_seed(R)
-    for lens in _mixes(R, seed=R):
-        T, H, Hkv, D = sum(lens), 4, 2, 8
-        q, k, v = (torch.randn(T, h, D, dtype=torch.float64, generator=gen) for h in (H, Hkv, Hkv))
-        ref, ref_lse = reference_varlen_attention(q, k, v, lens, causal=causal, return_lse=True)
-        rows = [layout.packed_positions(lens, R, r, 1, 0) for r in range(R)]
-        for r in range(R):
-            out = torch.zeros(len(rows[r]), H, D, dtype=torch.float64)
-            lse = torch.full((H, len(rows[r])), -math.inf, dtype=torch.float64)
-            for j, blk in enumerate(ring_varlen_blocks(lens, R, r, causal)):
-                if blk is None:
-                    continue
-                assert int(blk.seg_q.sum()) == len(rows[r]) and int(blk.seg_k.sum()) == len(rows[j])
-                cu_q = torch.cat([torch.zeros(1, dtype=torch.long), blk.seg_q.cumsum(0)]).int()
-                cu_k = torch.cat([torch.zeros(1, dtype=torch.long), blk.seg_k.cumsum(0)]).int()
-                o, l = backend.varlen_forward(
-                    q[rows[r]], k[rows[j]], v[rows[j]], cu_q, cu_k, blk.max_seqlen_q,
-                    blk.max_seqlen_k, causal=blk.causal, scale=D ** -0.5,
-                )
-                out, lse = merge(out, lse, o, l)
-            assert torch.allclose(out, ref[rows[r]], atol=1e-12)
-            assert torch.allclose(lse, ref_lse[:, rows[r]], atol=1e-12)
-
-
-# --- balance ------------------------------------------------------------------------------------
-
-
-def _ratio(work: list[int]) -> float:
-    return max(work) * len(work) / sum(work) if sum(work) else 1.0
-
-
-def _deviation_bound(lens: list[int], R: int) -> int:
-    """Upper bound on ``|W_r - mean|`` summed over sequences (see the test below)."""
-    if R == 1:
-        return 0
-    return sum((2 * R - 2) * (n // (2 * R) + 1) for n in lens if n % (2 * R))
-
-
-def _balanced_by_theorem(lens: list[int], R: int) -> bool:
-    """``sum n(n+1) >= 40 (R-1) (T + 2R S)``: then max/mean <= 1.05 (see below)."""
-    return sum(n * (n + 1) for n in lens) >= 40 * (R - 1) * (sum(lens) + 2 * R * len(lens))
-
-
-lengths = st.lists(
-    st.one_of(st.integers(0, 40), st.integers(41, 2000), st.integers(2000, 20000)),
-    min_size=1, max_size=60,
-)
-
-
-@settings(max_examples=400, deadline=None)
-@given(lens=lengths, R=st.sampled_from([2, 3, 4, 8, 16]))
-def test_causal_work_deviation_bound(lens, R):
-    """Exact per-sequence work and a deviation bound valid for every mix.
-
-    For a sequence of length ``n = 2Rc + e`` (``0 <= e < 2R``), ring rank ``r`` attends
-    ``W_r = 2Rc^2 + c + c G_r(e) + K_r(e)`` causal pairs, with ``g_i = 2i+1 if i < e else e``,
-    ``G_r = g_r + g_{2R-1-r}``, ``h_i = i+1 if i < e else 0``, ``K_r = h_r + h_{2R-1-r}``. The mean
-    over ranks is ``n(n+1)/2R`` and ``|G_r - 2e|, |K_r - e(e+1)/2R| <= 2R-2``, so
-    ``|W_r - n(n+1)/2R| <= (2R-2)(c+1)`` (and 0 when ``2R | n``). Summing over sequences:
-    ``max/mean - 1 <= 2R * sum_s (2R-2)(c_s+1) / sum_s n_s(n_s+1)``; with ``c + 1 <= (n + 2R)/2R``
-    this is ``<= 0.05`` whenever ``sum n(n+1) >= 40 (R-1) (T + 2R S)``.
-    """
-    for n in set(lens):
-        c, e = divmod(n, 2 * R)
-        g = [2 * i + 1 if i < e else e for i in range(2 * R)]
-        h = [i + 1 if i < e else 0 for i in range(2 * R)]
-        expect = [2 * R * c * c + c + c * (g[r] + g[-1 - r]) + h[r] + h[-1 - r] for r in range(R)]
-        assert varlen_work([n], (R, 1), True) == expect
-    work = varlen_work(lens, (R, 1), True)
-    mean = sum(n * (n + 1) for n in lens) / (2 * R)
-    assert max(abs(w - mean) for w in work) <= _deviation_bound(lens, R) + 1e-6 * mean
-    if _balanced_by_theorem(lens, R):
-        assert _ratio(work) <= 1.05
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    lens=lengths,
-    RU=st.sampled_from(CONFIGS[1:] + [(8, 1), (4, 2), (8, 2), (2, 8)]),
-    seed=st.integers(0, 2**16),
-)
-def test_causal_balance_random_mixes(lens, RU, seed):
-    """max/mean <= 1.05 over the CP group for random mixes with total >= 64x CP that meet the
-    condition of ``test_causal_work_deviation_bound`` -- made to hold by adding long documents,
-    as a packer filling a context would."""
-    R, U = RU
-    rng = random.Random(seed)
-    lens = list(lens)
-    while sum(lens) < 64 * R * U or not _balanced_by_theorem(lens, R):
-        lens.insert(rng.randrange(len(lens) + 1), rng.randint(64 * R, 400 * R))
-    assert _ratio(varlen_work(lens, (R, U), True)) <= 1.05
-    assert _ratio(varlen_work(lens, (R, U), True, num_heads=8 * U)) <= 1.05  # heads divide U
-
-
-def _lognormal_mix(rng: random.Random, total: int, median: int, sigma: float) -> list[int]:
-    lens = []
-    while sum(lens) < total:
-        lens.append(max(1, int(rng.lognormvariate(math.log(median), sigma))))
-    lens[-1] -= sum(lens) - total
-    return [n for n in lens if n]
-
-
-def test_causal_balance_realistic_mixes():
-    """Log-normal document lengths packed into 32k..128k contexts: well inside 1.05."""
-    rng = random.Random(0)
-    for total in (32768, 131072):
-        for R, U in [(2, 1), (4, 1), (8, 1), (2, 4), (4, 2), (8, 2)]:
-            for median in (64, 600, 4000):
-                lens = _lognormal_mix(rng, total, median, 1.2)
-                assert _ratio(varlen_work(lens, (R, U), True)) <= 1.05, (total, R, U, median)
-
-
-def test_causal_balance_fails_for_short_documents():
-    """Why the bound needs more than ``total >= 64 x CP``: it is about lengths, not the total.
-
-    The placement puts the extra tokens of ``split_sizes(n, 2R)`` on the first chunks, so for
-    documents shorter than ``2R`` low ring ranks get all tokens; no total fixes that.
-    """
-    R, U = 4, 2
-    ones = [1] * (64 * R * U)
-    assert varlen_work(ones, (R, U), True)[::U] == [64 * R * U, 0, 0, 0]
-    assert _ratio(varlen_work(ones, (R, U), True)) == R
-    # A 64 x CP mix of moderate lengths that misses the condition, and 1.05 with it.
-    mix = [61, 62, 61, 62, 62, 61, 62, 61]  # total 492 >= 64 * 4 * 1 = 256
-    assert not _balanced_by_theorem(mix, 4)
-    assert _ratio(varlen_work(mix, (4, 1), True)) > 1.05
+def test_balance_over_heads_and_ranks():
+    """Work per CP rank (heads split by Ulysses): max/mean <= 1.05 for many short documents, which
+    the rotated remainders spread over all ring ranks (``docs/sharding.md``)."""
+    rng = random.Random(1)
+    lens = [rng.randint(1, 64) for _ in range(1000)]
+    for R, U in [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4)]:
+        work = attention_work(Placement.packed(lens, R, U), Mask(True), num_heads=8 * U)
+        assert imbalance(work) <= 1.05, (R, U, imbalance(work))
+    # 512 one-token documents: every ring rank gets 1/R of them (the old rule gave ring rank 0 all).
+    work = attention_work(Placement.packed([1] * 512, 4, 1), Mask(True))
+    assert work == [128, 128, 128, 128]
 
 
 # --- distributed correctness --------------------------------------------------------------------
@@ -323,7 +99,7 @@ def _cases(R: int, U: int, heads: list[tuple[int, int]], backends=("cpu",)) -> l
 
 def _check(pools, world: int, R: int, U: int, cases: list[dict], tol: float = TOL) -> None:
     per_rank = pools(world).run(_run_cases, R, U, cases)
-    shard_lens = {c["name"]: layout.packed_shard_lengths(c["lens"], R, U) for c in cases}
+    shard_lens = {c["name"]: Placement.packed(c["lens"], R, U).shard_lengths for c in cases}
     for rank, results in enumerate(per_rank):
         cp = rank % (R * U)
         for name, dtype_ok, shape, *errs in results:
@@ -386,13 +162,13 @@ def test_errors_single_process():
     k = torch.randn(10, 2, 8)
     with pytest.raises(ValueError, match=r"seq_lens\[1\] = -1"):
         seqpar.varlen_attention(q, k, k, state, [11, -1])
-    with pytest.raises(ValueError, match=r"seq_lens \(sum 9, 2 sequences\) place 9 tokens .* holds q/k/v with \[10, 10, 10\]"):
+    with pytest.raises(ValueError, match=r"seq_lens \(sum 9, 2 sequences\) place 9 tokens .* but it holds 10"):
         seqpar.varlen_attention(q, k, k, state, [4, 5])
     with pytest.raises(ValueError, match=r"must be 3-dim \[T_local, heads, head_dim\]"):
         seqpar.varlen_attention(q[None], k[None], k[None], state, [10])
     with pytest.raises(ValueError, match=r"H=4 query heads must be a positive multiple of the Hkv=3"):
         seqpar.varlen_attention(q, torch.randn(10, 3, 8), torch.randn(10, 3, 8), state, [10])
-    with pytest.raises(ValueError, match=r"softmax_scale must be a float or None"):
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite float or None"):
         seqpar.varlen_attention(q, k, k, state, [10], softmax_scale="x")
     with pytest.raises(ValueError, match=r"causal must be True or False, got 1"):
         seqpar.varlen_attention(q, k, k, state, [10], causal=1)
@@ -405,7 +181,7 @@ def _bad_input_cases(R: int, U: int) -> list[str]:
     x = torch.randn(sum(lens), 2, 4)
     local = seqpar.shard_packed(x, state, lens)
     msgs = []
-    with pytest.raises(ValueError, match=r"seq_lens \(sum 19, 3 sequences\) place .* global total 20") as e:
+    with pytest.raises(ValueError, match=r"seq_lens \(sum 19, 3 sequences\) place .*tokens per cp rank") as e:
         seqpar.varlen_attention(local, local, local, state, [7, 1, 11])
     msgs.append(str(e.value))
     with pytest.raises(ValueError, match=r"seq_lens\[2\] = -12"):
@@ -414,8 +190,14 @@ def _bad_input_cases(R: int, U: int) -> list[str]:
     with pytest.raises(ValueError, match=rf"cp rank {R * U - 1} of ring {R} x ulysses {U}"):
         seqpar.varlen_attention(short, short, short, state, lens)
     wide = torch.randn(local.shape[0], 2, 8) if state.cp_rank == 0 else local
-    with pytest.raises(ValueError, match=r"disagree on \(H, Hkv, D\): \[\[2, 2, 8\], \[2, 2, 4\]\]"):
+    with pytest.raises(ValueError, match=r"disagree on the call: cp rank 0 has \(seq_lens fingerprint"):
         seqpar.varlen_attention(wide, wide, wide, state, lens)
+    # Different seq_lens on different ranks that give the same local counts: refused everywhere.
+    other = [7, 1, 12] if state.cp_rank == 0 else [1, 7, 12]
+    if Placement.packed(other, R, U).shard_lengths == Placement.packed(lens, R, U).shard_lengths:
+        with pytest.raises(ValueError, match=r"disagree on the call"):
+            seqpar.varlen_attention(local, local, local, state, other)
+        msgs.append("same counts, other seq_lens")
     return msgs
 
 

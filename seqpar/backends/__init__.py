@@ -10,16 +10,19 @@ name                 kernel                                           device / d
 ``flash_attn``       the ``flash-attn`` package (FA2; FA3 on Hopper)  CUDA / f16 bf16
 ===================  ===============================================  ======================
 
-``"auto"`` picks: CPU -> ``cpu`` (``reference`` for dtypes the kernel lacks); CUDA fp16/bf16 ->
-``flash_attn`` if installed, else ``torch_flash`` (``torch_efficient`` before sm80); CUDA fp32 ->
-``torch_efficient``; anything else (CUDA fp64, other devices) -> ``reference``.
+``"auto"`` picks the first backend in this order that can run the device, dtype and mask
+features (window, softcap) of the call: CPU -> ``cpu``, ``reference``; CUDA fp16/bf16 ->
+``flash_attn`` (if installed), ``torch_flash``, ``torch_efficient``, ``reference``; CUDA fp32 ->
+``torch_efficient``, ``reference``; anything else (CUDA fp64, other devices) -> ``reference``.
+So softcapped attention runs the ``reference`` math on CPU (the CPU kernel has no softcap) and on
+CUDA without ``flash-attn``; an explicitly named backend that cannot run the call is refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend
+from .base import AttentionBackend, KernelBackend
 from .cpu import CpuFlashBackend
 from .flash_attn import FlashAttnBackend
 from .reference import ReferenceBackend, reference_attention, reference_varlen_attention
@@ -27,6 +30,7 @@ from .torch_cuda import TorchEfficientBackend, TorchFlashBackend
 
 __all__ = [
     "AttentionBackend",
+    "KernelBackend",
     "get_backend",
     "available_backends",
     "reference_attention",
@@ -53,8 +57,11 @@ _AUTO_ORDER: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
-def _runnable(device: torch.device, dtype: torch.dtype) -> list[str]:
-    return [n for n, cls in _BACKENDS.items() if cls.unsupported_reason(device, dtype) is None]
+def _runnable(device: torch.device, dtype: torch.dtype, window: bool = False, softcap: bool = False) -> list[str]:
+    return [
+        n for n, cls in _BACKENDS.items()
+        if cls.unsupported_reason(device, dtype, window=window, softcap=softcap) is None
+    ]
 
 
 def available_backends(
@@ -80,45 +87,50 @@ def available_backends(
     return [n for n in _BACKENDS if n in found]
 
 
-def _resolve_auto(device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_auto(device: torch.device, dtype: torch.dtype, window: bool, softcap: bool) -> str:
     kind = "half" if dtype in (torch.float16, torch.bfloat16) else "any"
     order = _AUTO_ORDER.get((device.type, kind)) or _AUTO_ORDER.get((device.type, "any"))
     for name in order or ("reference",):
-        if _BACKENDS[name].unsupported_reason(device, dtype) is None:
+        if _BACKENDS[name].unsupported_reason(device, dtype, window=window, softcap=softcap) is None:
             return name
     return "reference"
 
 
-def get_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+def get_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype, *, window: bool = False,
+    softcap: bool = False,
+) -> KernelBackend:
     """The attention backend ``name`` for inputs on ``device`` with ``dtype``.
 
     Args:
         name: a registered backend name or ``"auto"`` (see the module docstring).
         device: the device of q/k/v.
         dtype: the dtype of q/k/v.
+        window: the calls will use sliding windows (beyond plain causal).
+        softcap: the calls will use logit softcapping.
 
     Returns:
         A stateless backend object implementing :class:`AttentionBackend`.
 
     Raises:
-        ValueError: if ``name`` is unknown, or that backend cannot run on ``device``/``dtype``;
-            the message lists the valid choices.
+        ValueError: if ``name`` is unknown, or that backend cannot run on ``device``/``dtype``
+            with these features; the message lists the valid choices.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if name == "auto":
-        name = _resolve_auto(device, dtype)
+        name = _resolve_auto(device, dtype, window, softcap)
     cls = _BACKENDS.get(name)
     if cls is None:
         raise ValueError(
             f"unknown attention backend {name!r} (device={device}, dtype={dtype}); "
             f"valid choices: {['auto', *_BACKENDS]}"
         )
-    reason = cls.unsupported_reason(device, dtype)
+    reason = cls.unsupported_reason(device, dtype, window=window, softcap=softcap)
     if reason is not None:
         raise ValueError(
             f"attention backend {name!r} cannot run on device={device} with dtype={dtype}: "
-            f"{reason}; valid choices here: {['auto', *_runnable(device, dtype)]}"
+            f"{reason}; valid choices here: {['auto', *_runnable(device, dtype, window, softcap)]}"
         )
     return cls()

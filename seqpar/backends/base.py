@@ -1,7 +1,7 @@
 """The attention-backend protocol and the helpers every backend shares.
 
 A backend computes attention of one block of queries against one block of keys and returns the
-output with its log-sum-exp (LSE), so that blocks can be merged (``seqpar.merge``). Its backward
+output with its log-sum-exp (LSE), so that blocks can be merged (``seqpar.parallel.merge``). Its backward
 takes ``out`` and ``lse`` from the caller, which may be the *merged* (global) results of many
 blocks, and must use them as given.
 
@@ -12,20 +12,28 @@ Layouts (fixed for all backends):
 - varlen: q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[nseq + 1]``;
   out ``[Tq, H, D]``, lse ``[H, Tq]``. Sequence ``i`` of q attends only to sequence ``i`` of k.
 
-lse is float32, or float64 when q is float64 (``seqpar.merge.accumulator_dtype``). A query row
-with no key at all gets ``out = 0`` and ``lse = -inf``, whatever the kernel itself reports.
-``causal=True`` is only used with square blocks (``Sq == Sk``, or equal lengths per sequence),
-diagonal aligned:
+lse is float32, or float64 when q is float64 (:func:`lse_dtype`). A
+query row with no key at all gets ``out = 0`` and ``lse = -inf``, whatever the kernel reports.
 
-    causal, Sq = Sk = 4     (x = attended)
-        k0 k1 k2 k3
-    q0   x  .  .  .
-    q1   x  x  .  .
-    q2   x  x  x  .
+Masks follow flash-attn: ``window = (left, right)`` with ``-1`` unbounded, aligned to the
+bottom-right corner of the block (per sequence in varlen), and ``causal=True`` sets ``right = 0``.
+Query row ``i`` of ``Sq`` sees key ``j`` of ``Sk`` iff ``i + Sk - Sq - left <= j <= i + Sk - Sq +
+right``::
+
+    causal, Sq = Sk = 4    window (1, 0), Sq = 3, Sk = 5     (x = attended)
+        k0 k1 k2 k3            k0 k1 k2 k3 k4
+    q0   x  .  .  .       q0    .  x  x  .  .
+    q1   x  x  .  .       q1    .  .  x  x  .
+    q2   x  x  x  .       q2    .  .  .  x  x
     q3   x  x  x  x
 
-Every backend class derives from :class:`KernelBackend`, which does the input checks and answers
-blocks without queries or keys once, then calls the backend's kernel part (``_forward`` etc.).
+``softcap = c > 0`` replaces every (scaled) score ``s`` by ``c * tanh(s / c)`` (0: off). A backend
+declares what it can run through ``unsupported_reason(device, dtype, window=, softcap=)``.
+
+Every backend class derives from :class:`KernelBackend`. Its public methods (``forward``, ...)
+check their inputs, answer blocks without queries or keys, fold ``causal`` into the window and
+then call the *kernel methods* (``kernel_forward``, ...), which trust their inputs: seqpar's own
+layers, having validated once at the public entry, call those directly.
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..merge import accumulator_dtype
-
 __all__ = [
     "AttentionBackend",
     "KernelBackend",
     "Packing",
+    "Window",
+    "kernel_window",
+    "row_key_bounds",
     "check_dense",
     "check_varlen",
     "lse_dtype",
@@ -59,6 +68,27 @@ __all__ = [
     "tokens_of_empty_partner",
 ]
 
+Window = tuple[int, int]
+
+
+def kernel_window(causal: bool, window: Window) -> Window:
+    """``(left, right)`` with ``causal`` folded in (right side 0), ``-1`` for unbounded sides."""
+    left, right = window
+    return (left if left >= 0 else -1, 0 if causal else (right if right >= 0 else -1))
+
+
+def row_key_bounds(sq: int, sk: int, window: Window, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Inclusive key range ``[lower[i], upper[i]]`` of every query row of a ``sq x sk`` block.
+
+    Bottom-right aligned (see the module docstring); a row with ``lower > upper`` sees no key.
+    Returns int64 ``[sq]`` tensors on ``device``.
+    """
+    left, right = window
+    i = torch.arange(sq, device=device) + (sk - sq)
+    lower = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    upper = (i + right).clamp(max=sk - 1) if right >= 0 else torch.full_like(i, sk - 1)
+    return lower, upper
+
 
 @runtime_checkable
 class AttentionBackend(Protocol):
@@ -67,15 +97,18 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
         """Dense attention of one block.
 
         Args:
             q: ``(batch, seqlen_q, nheads, headdim)``.
             k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; ``nheads % nheads_kv == 0``.
-            causal: diagonal-aligned causal mask; requires ``seqlen_q == seqlen_k``.
+            causal: bottom-right aligned causal mask (sets the window's right side to 0).
             scale: softmax scale applied to ``q @ k^T``.
+            window: ``(left, right)``, ``-1`` unbounded (flash-attn's ``window_size``).
+            softcap: ``c > 0`` caps scores to ``c * tanh(s / c)``; 0 disables.
 
         Returns:
             ``out`` ``(batch, seqlen_q, nheads, headdim)`` in q's dtype and
@@ -84,22 +117,14 @@ class AttentionBackend(Protocol):
         ...
 
     def backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        causal: bool,
-        scale: float,
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+        causal: bool, scale: float, window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one dense block given the (possibly global) ``out`` and ``lse``.
 
         Args:
             dout, out: ``(batch, seqlen_q, nheads, headdim)``.
-            q, k, v: as in :meth:`forward`.
+            q, k, v, causal, scale, window, softcap: as in :meth:`forward`.
             lse: ``(batch, nheads, seqlen_q)``.
 
         Returns:
@@ -108,19 +133,11 @@ class AttentionBackend(Protocol):
         ...
 
     def varlen_forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+        max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
+        window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
-        """Block-diagonal attention over packed sequences.
+        """Block-diagonal attention over packed sequences (masks aligned per sequence).
 
         Args:
             q: ``(total_q, nheads, headdim)``.
@@ -134,20 +151,9 @@ class AttentionBackend(Protocol):
         ...
 
     def varlen_backward(
-        self,
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        cu_seqlens_q: Tensor,
-        cu_seqlens_k: Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        *,
-        causal: bool,
-        scale: float,
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+        causal: bool, scale: float, window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of :meth:`varlen_forward` given the (possibly global) ``out`` and ``lse``.
 
@@ -158,8 +164,8 @@ class AttentionBackend(Protocol):
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The LSE dtype for inputs of ``dtype``: float64 for float64, float32 otherwise."""
-    return accumulator_dtype(dtype)
+    """The LSE (and accumulator) dtype for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_common(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
@@ -178,7 +184,7 @@ def _check_common(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
         )
 
 
-def check_dense(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+def check_dense(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Validate dense bshd inputs.
 
     Raises:
@@ -192,8 +198,6 @@ def check_dense(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     _check_common(q, k, v, "bshd")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
-    # Internal invariant: the ring only asks for causal attention on square diagonal blocks.
-    assert not causal or q.shape[1] == k.shape[1], (q.shape, k.shape)
 
 
 def check_varlen(
@@ -218,13 +222,12 @@ def check_varlen(
 
 
 def varlen_lengths(
-    q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool
+    q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor
 ) -> tuple[list[int], list[int]]:
     """Per-sequence lengths ``(lens_q, lens_k)`` read on the host from ``cu_seqlens``.
 
     Raises:
-        ValueError: if the offsets do not start at 0, decrease, do not end at the token counts,
-            or (causal) a sequence has different q and k lengths.
+        ValueError: if the offsets do not start at 0, decrease, or do not end at the token counts.
     """
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
@@ -235,12 +238,6 @@ def varlen_lengths(
             raise ValueError(
                 f"cu_seqlens_{name} must rise from 0 to the {total} {name} tokens, got {cu}"
             )
-    if causal and lens_q != lens_k:
-        bad = next(i for i, (a, b) in enumerate(zip(lens_q, lens_k)) if a != b)
-        raise ValueError(
-            f"causal varlen attention needs equal q and k lengths per sequence; sequence {bad} "
-            f"has {lens_q[bad]} queries and {lens_k[bad]} keys"
-        )
     return lens_q, lens_k
 
 
@@ -276,14 +273,15 @@ def last_dim_contiguous(x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Packing:
-    """The sequence packing of one varlen call, as given to :meth:`AttentionBackend.varlen_forward`.
+    """The sequence packing of one varlen call.
 
     Attributes:
-        cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)``, cumulative lengths from 0.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)``, cumulative lengths from 0, on the
+            device of the inputs.
         max_seqlen_q, max_seqlen_k: the longest sequence on each side.
-        lens: ``(lens_q, lens_k)`` from :func:`varlen_lengths`, read on the host only for a
-            backend with ``host_lengths = True``; None otherwise (the CUDA kernels take
-            ``cu_seqlens`` on the device and must not synchronise).
+        lens: ``(lens_q, lens_k)`` per-sequence lengths on the host, for a backend with
+            ``host_lengths = True`` (None otherwise: the CUDA kernels take ``cu_seqlens`` on the
+            device and must not synchronise).
     """
 
     cu_seqlens_q: Tensor
@@ -299,101 +297,129 @@ class Packing:
 
 
 class KernelBackend(AttentionBackend):
-    """The shared half of every backend: input checks and empty blocks, then the kernel part.
+    """The shared half of every backend: input checks and empty blocks, then the kernel methods.
 
     The public methods validate their inputs (:func:`check_dense`; :func:`check_varlen` and, with
-    ``host_lengths``, :func:`varlen_lengths`) and answer a block with no query or no key token
-    (``Sq == 0 or Sk == 0``; ``total_q == 0 or total_k == 0``) without a kernel: ``out = 0``,
-    ``lse = -inf`` (:func:`empty_forward`) and zero gradients. A subclass implements the kernel
-    part only: ``_forward``, ``_backward``, ``_varlen_forward`` and ``_varlen_backward``, which
-    get checked inputs with at least one query and one key token (varlen: single sequences may
-    still be empty on either side).
+    ``host_lengths``, :func:`varlen_lengths`), refuse a window or softcap the backend cannot run
+    (``ValueError`` naming the backends that can), answer a block with no query or no key token
+    without a kernel (``out = 0``, ``lse = -inf``, zero gradients) and fold ``causal`` into the
+    window. A subclass implements the trusted kernel methods, which get non-empty blocks and a
+    ``window`` with ``causal`` folded in (:func:`kernel_window`): ``kernel_forward``,
+    ``kernel_backward``, ``kernel_varlen_forward`` and ``kernel_varlen_backward`` (varlen: single
+    sequences may still be empty on either side, and rows may see no key).
     """
 
-    #: Whether varlen calls read the per-sequence lengths on the host (``Packing.lens``); they are
-    #: then validated before an empty block is answered.
+    #: Whether varlen calls read the per-sequence lengths on the host (``Packing.lens``).
     host_lengths: ClassVar[bool] = False
 
+    @classmethod
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+    ) -> str | None:
+        """``None`` if this backend runs on ``device``/``dtype`` with the features asked for,
+        else why not."""
+        raise NotImplementedError
+
+    def _check_features(self, q: Tensor, window: Window, softcap: float) -> None:
+        """Refuse a window or softcap this backend cannot run (checked for non-empty blocks)."""
+        if window in ((-1, -1), (-1, 0)) and softcap <= 0:
+            return
+        reason = self.unsupported_reason(
+            q.device, q.dtype, window=window not in ((-1, -1), (-1, 0)), softcap=softcap > 0
+        )
+        # Only the features are judged here (a device/dtype the backend lacks fails in its kernel).
+        if reason is not None and self.unsupported_reason(q.device, q.dtype) is None:
+            raise ValueError(f"attention backend {self.name!r}: {reason}")
+
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
+        window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
         """See :meth:`AttentionBackend.forward`."""
-        check_dense(q, k, v, causal)
+        check_dense(q, k, v)
+        window = kernel_window(causal, window)
         b, sq, h, _ = q.shape
         if sq == 0 or k.shape[1] == 0:
             return empty_forward(q, (b, h, sq))
-        return self._forward(q, k, v, causal=causal, scale=scale)
+        self._check_features(q, window, softcap)
+        return self.kernel_forward(q, k, v, scale=scale, window=window, softcap=softcap)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        causal: bool, scale: float, window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """See :meth:`AttentionBackend.backward`."""
-        check_dense(q, k, v, causal)
+        check_dense(q, k, v)
+        window = kernel_window(causal, window)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self._backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        self._check_features(q, window, softcap)
+        return self.kernel_backward(dout, q, k, v, out, lse, scale=scale, window=window, softcap=softcap)
 
     def varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
         max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float,
+        window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
         """See :meth:`AttentionBackend.varlen_forward`."""
-        packing = self._packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                causal)
+        packing = self._packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = kernel_window(causal, window)
         total_q, h, _ = q.shape
         if total_q == 0 or k.shape[0] == 0:
             return empty_forward(q, (h, total_q))
-        return self._varlen_forward(q, k, v, packing, causal=causal, scale=scale)
+        self._check_features(q, window, softcap)
+        return self.kernel_varlen_forward(q, k, v, packing, scale=scale, window=window, softcap=softcap)
 
     def varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
-        causal: bool, scale: float,
+        causal: bool, scale: float, window: Window = (-1, -1), softcap: float = 0.0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """See :meth:`AttentionBackend.varlen_backward`."""
-        packing = self._packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                causal)
+        packing = self._packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        window = kernel_window(causal, window)
         if q.shape[0] == 0 or k.shape[0] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self._varlen_backward(dout, q, k, v, out, lse, packing, causal=causal, scale=scale)
+        self._check_features(q, window, softcap)
+        return self.kernel_varlen_backward(
+            dout, q, k, v, out, lse, packing, scale=scale, window=window, softcap=softcap
+        )
 
     def _packing(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-        max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+        max_seqlen_q: int, max_seqlen_k: int,
     ) -> Packing:
         """Check varlen inputs and bundle the packing (with host lengths if ``host_lengths``)."""
         check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        lens = None
-        if self.host_lengths:
-            lens = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, causal)
+        lens = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k) if self.host_lengths else None
         return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, lens)
 
     @abstractmethod
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    def kernel_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`forward` on checked inputs with ``Sq > 0`` and ``Sk > 0``."""
+        """:meth:`forward` on trusted inputs with ``Sq > 0`` and ``Sk > 0``."""
 
     @abstractmethod
-    def _backward(
+    def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`backward` on checked inputs with ``Sq > 0`` and ``Sk > 0``."""
+        """:meth:`backward` on trusted inputs with ``Sq > 0`` and ``Sk > 0``."""
 
     @abstractmethod
-    def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    def kernel_varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
+        softcap: float,
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`varlen_forward` on checked inputs with ``total_q > 0`` and ``total_k > 0``."""
+        """:meth:`varlen_forward` on trusted inputs with ``total_q > 0`` and ``total_k > 0``."""
 
     @abstractmethod
-    def _varlen_backward(
+    def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        packing: Packing, *, causal: bool, scale: float,
+        packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`varlen_backward` on checked inputs with ``total_q > 0`` and ``total_k > 0``."""
+        """:meth:`varlen_backward` on trusted inputs with ``total_q > 0`` and ``total_k > 0``."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,18 @@ Measured kernel quirks (torch 2.13) handled here:
 
 - an empty sequence dim (``Sq == 0`` or ``Sk == 0``) crashes the process (SIGFPE): never called;
 - a strided head dim (``stride(-1) != 1``) gives silently wrong results: such inputs are copied;
-- a fully masked row yields ``lse = 0``; no row the callers keep is ever fully masked here;
+- ``is_causal`` is aligned top-left, and a fully masked row yields ``lse = 0``: the kernel gets
+  ``is_causal`` only for square causal blocks, other windows get an additive mask, and rows that
+  see no key are never given to it (dense) or are reset to ``out = 0, lse = -inf`` (varlen);
 - the backward turns ``lse = -inf`` into NaN; ``-inf`` is passed as ``+inf`` (zero weight).
+
+Note [CPU windows]
+~~~~~~~~~~~~~~~~~~
+The kernel has no window argument. A block whose window cuts some rows is computed in tiles of
+query rows: each tile takes only the rows that see a key and only the key columns its rows see,
+with an additive ``[rows, keys]`` mask (``-inf`` outside the window). Work and mask memory thus
+follow the band (``rows x (rows + window)``), not ``Sq x Sk``. The kernel has no softcap either:
+``"auto"`` picks the ``reference`` backend for softcapped attention on CPU.
 
 Note [CPU varlen]
 ~~~~~~~~~~~~~~~~~
@@ -39,10 +49,12 @@ from torch import Tensor
 from .base import (
     KernelBackend,
     Packing,
+    Window,
     empty_forward,
     last_dim_contiguous,
     lse_dtype,
     lse_for_backward,
+    row_key_bounds,
 )
 
 __all__ = ["CpuFlashBackend"]
@@ -52,6 +64,8 @@ _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DIRECT_MIN_WORK = 128 * 128
 _EXACT_UP_TO = 8
 _BUCKET_RATIO = 1.25
+# Mask elements per tile of a windowed block (see Note [CPU windows]).
+_MASK_ELEMENTS = 1 << 22
 
 
 def _kernel_forward(
@@ -147,15 +161,36 @@ class _Bucket:
 
     q: _Side
     k: _Side
-    needs_key_mask: bool
+    lens_q: Tensor  # int64 [n]
+    lens_k: Tensor
 
-    def key_mask(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
-        """Additive ``[n, 1, 1, Mk]`` mask hiding padded keys, or None if there are none."""
-        if not self.needs_key_mask:
-            return None
-        hidden = ~self.k.valid.to(device).view(self.k.n, 1, 1, self.k.width)
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(hidden, float("-inf"))
+    def mask(self, window: Window, dtype: torch.dtype, device: torch.device) -> tuple[bool, Tensor | None, Tensor | None]:
+        """``(is_causal, additive mask, rows without keys)`` for the padded batch.
+
+        ``is_causal`` (top-left) only when every sequence is square and the window is plain
+        causal; padded keys and windows otherwise go into a ``[n, 1, Mq, Mk]`` (or key-only
+        ``[n, 1, 1, Mk]``) mask. ``rows without keys`` is bool ``[n, Mq]`` or None.
+        """
+        square = bool((self.lens_q == self.lens_k).all())
+        if window == (-1, 0) and square:
+            return True, None, None  # a real query row never reaches a padded key
+        key_ok = self.k.valid.view(self.k.n, 1, self.k.width)  # [n, 1, Mk]
+        if window == (-1, -1):
+            if bool(self.k.valid.all()):
+                return False, None, None
+            hidden = ~key_ok.view(self.k.n, 1, 1, self.k.width)
+            return False, torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf")).to(device), None
+        left, right = window
+        i = torch.arange(self.q.width)[None, :, None] + (self.lens_k - self.lens_q)[:, None, None]
+        j = torch.arange(self.k.width)[None, None, :]
+        ok = key_ok & (self.q.valid.view(self.q.n, self.q.width, 1))
+        if left >= 0:
+            ok &= j >= i - left
+        if right >= 0:
+            ok &= j <= i + right
+        no_key = ~ok.any(-1)  # [n, Mq]
+        mask = torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf"))
+        return False, mask[:, None].to(device), no_key.to(device)
 
 
 @dataclass(frozen=True)
@@ -164,14 +199,8 @@ class _Plan:
     buckets: list[_Bucket]
 
     def covers_all(self, total_q: int, total_k: int) -> bool:
-        """Whether one kernel call on views sees every packed token (its outputs are the result)."""
-        if len(self.direct) + len(self.buckets) != 1:
-            return False
-        if self.direct:
-            return self.direct[0] == (0, total_q, 0, total_k)
-        b = self.buckets[0]
-        return (b.q.start == 0 and b.q.n * b.q.width == total_q
-                and b.k.start == 0 and b.k.n * b.k.width == total_k)
+        """Whether one direct kernel call on the whole buffers is the result."""
+        return not self.buckets and self.direct == [(0, total_q, 0, total_k)]
 
 
 def _bucket_ids(lens: Tensor) -> Tensor:
@@ -182,7 +211,7 @@ def _bucket_ids(lens: Tensor) -> Tensor:
     return torch.where(lens <= _EXACT_UP_TO, lens, geo)
 
 
-def _plan(lens_q: list[int], lens_k: list[int], causal: bool) -> _Plan:
+def _plan(lens_q: list[int], lens_k: list[int]) -> _Plan:
     """Split the sequences into direct calls and padded buckets (host-side index maths)."""
     lq = torch.tensor(lens_q, dtype=torch.int64)
     lk = torch.tensor(lens_k, dtype=torch.int64)
@@ -201,14 +230,8 @@ def _plan(lens_q: list[int], lens_k: list[int], causal: bool) -> _Plan:
             if sel.numel() == 1:
                 direct_ids.append(int(sel))
                 continue
-            k_side = _Side.build(start_k[sel], lk[sel])
             buckets.append(
-                _Bucket(
-                    q=_Side.build(start_q[sel], lq[sel]),
-                    k=k_side,
-                    # With the top-left causal mask a real query never reaches a padded key.
-                    needs_key_mask=not causal and not bool(k_side.valid.all()),
-                )
+                _Bucket(_Side.build(start_q[sel], lq[sel]), _Side.build(start_k[sel], lk[sel]), lq[sel], lk[sel])
             )
     direct = [
         (int(start_q[i]), lens_q[i], int(start_k[i]), lens_k[i]) for i in sorted(direct_ids)
@@ -216,105 +239,156 @@ def _plan(lens_q: list[int], lens_k: list[int], causal: bool) -> _Plan:
     return _Plan(direct=direct, buckets=buckets)
 
 
+def _effective_window(sq: int, sk: int, window: Window) -> Window:
+    """``window`` with sides that cut no row of a ``sq x sk`` block made ``-1``."""
+    left, right = window
+    if left >= sk - 1:  # the last row's lower bound sk - 1 - left is <= 0
+        left = -1
+    if right >= sq - 1:  # the first row's upper bound sk - sq + right is >= sk - 1
+        right = -1
+    return left, right
+
+
+def _band_tiles(sq: int, sk: int, window: Window):
+    """``(rows, cols, mask rows/keys bool)`` per tile of rows that see a key (Note [CPU windows])."""
+    lower, upper = row_key_bounds(sq, sk, window)
+    live = torch.nonzero(lower <= upper).flatten()
+    if live.numel() == 0:
+        return
+    first, last = int(live[0]), int(live[-1]) + 1  # bounds are monotone: live rows are a range
+    width = int((upper[first:last] - lower[first:last]).max()) + 1
+    rows = max(64, _MASK_ELEMENTS // width)
+    for i0 in range(first, last, rows):
+        i1 = min(last, i0 + rows)
+        j0, j1 = int(lower[i0]), int(upper[i1 - 1]) + 1
+        cols = torch.arange(j0, j1)
+        ok = (cols[None, :] >= lower[i0:i1, None]) & (cols[None, :] <= upper[i0:i1, None])
+        yield slice(i0, i1), slice(j0, j1), ok
+
+
+def _additive(ok: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf")).to(device)[None, None]
+
+
 class CpuFlashBackend(KernelBackend):
-    """PyTorch's CPU flash-attention kernel; float32/float64/bfloat16/float16."""
+    """PyTorch's CPU flash-attention kernel; float32/float64/bfloat16/float16; windows by masks."""
 
     name = "cpu"
     host_lengths = True  # the plan (Note [CPU varlen]) is host index maths
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+    ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
         if device.type != "cpu":
             return f"it runs on CPU only, not {device.type}"
         if dtype not in _DTYPES:
             return f"the CPU kernel supports {[str(d) for d in _DTYPES]}, not {dtype}"
+        if softcap:
+            return "the CPU flash kernel has no softcap; use backend='reference' (what 'auto' picks)"
         return None
 
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    def kernel_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        return _kernel_forward(q, k, v, causal, scale)
+        sq, sk = q.shape[1], k.shape[1]
+        window = _effective_window(sq, sk, window)
+        if window == (-1, -1) or (window == (-1, 0) and sq == sk):
+            return _kernel_forward(q, k, v, window == (-1, 0), scale)
+        b, _, h, _ = q.shape
+        out, lse = empty_forward(q, (b, h, sq))
+        for rows, cols, ok in _band_tiles(sq, sk, window):
+            o, l = _kernel_forward(
+                q[:, rows], k[:, cols], v[:, cols], False, scale, _additive(ok, q.dtype, q.device)
+            )
+            out[:, rows] = o
+            lse[..., rows] = l
+        return out, lse
 
-    def _backward(
+    def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        sq, sk = q.shape[1], k.shape[1]
+        window = _effective_window(sq, sk, window)
         lse = lse_for_backward(lse, lse_dtype(q.dtype))
-        return _kernel_backward(dout, q, k, v, out, lse, causal, scale)
+        if window == (-1, -1) or (window == (-1, 0) and sq == sk):
+            return _kernel_backward(dout, q, k, v, out, lse, window == (-1, 0), scale)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, cols, ok in _band_tiles(sq, sk, window):
+            g_q, g_k, g_v = _kernel_backward(
+                dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
+                lse[..., rows].contiguous(), False, scale, _additive(ok, q.dtype, q.device),
+            )
+            dq[:, rows] = g_q
+            dk[:, cols] += g_k
+            dv[:, cols] += g_v
+        return dq, dk, dv
 
-    def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    def kernel_varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
+        softcap: float,
     ) -> tuple[Tensor, Tensor]:
         """See Note [CPU varlen]."""
         total_q, h, _ = q.shape
-        plan = _plan(*packing.host_lens(), causal)
+        plan = _plan(*packing.host_lens())
         if plan.covers_all(total_q, k.shape[0]):  # one call, no copy into a packed buffer
-            if plan.direct:
-                o, l = _kernel_forward(q[None], k[None], v[None], causal, scale)
-                return o[0], l[0]
-            bucket = plan.buckets[0]
-            o, l = _kernel_forward(
-                bucket.q.take(q), bucket.k.take(k), bucket.k.take(v), causal, scale
-            )
-            return o.flatten(0, 1), l.transpose(0, 1).flatten(1, 2)
+            o, l = self.kernel_forward(q[None], k[None], v[None], scale=scale, window=window, softcap=softcap)
+            return o[0], l[0]
         out, lse = empty_forward(q, (h, total_q))
         for s_q, l_q, s_k, l_k in plan.direct:
-            o, l = _kernel_forward(
+            o, l = self.kernel_forward(
                 q[None, s_q:s_q + l_q], k[None, s_k:s_k + l_k], v[None, s_k:s_k + l_k],
-                causal, scale,
+                scale=scale, window=window, softcap=softcap,
             )
             out[s_q:s_q + l_q] = o[0]
             lse[:, s_q:s_q + l_q] = l[0]
         for bucket in plan.buckets:
+            causal, mask, no_key = bucket.mask(window, q.dtype, q.device)
             o, l = _kernel_forward(
-                bucket.q.take(q), bucket.k.take(k), bucket.k.take(v), causal, scale,
-                bucket.key_mask(q.dtype, q.device),
+                bucket.q.take(q), bucket.k.take(k), bucket.k.take(v), causal, scale, mask
             )
+            if no_key is not None:  # the kernel reports lse = 0 for fully masked rows
+                o = o.masked_fill(no_key[:, :, None, None], 0.0)
+                l = l.masked_fill(no_key[:, None, :], float("-inf"))
             bucket.q.put(out, o.flatten(0, 1))
             bucket.q.put(lse, l.transpose(0, 1).flatten(1, 2), dim=1)
         return out, lse
 
-    def _varlen_backward(
+    def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        packing: Packing, *, causal: bool, scale: float,
+        packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """See Note [CPU varlen]."""
-        lse = lse_for_backward(lse, lse_dtype(q.dtype))  # [H, Tq]
-        plan = _plan(*packing.host_lens(), causal)
+        plan = _plan(*packing.host_lens())
         if plan.covers_all(q.shape[0], k.shape[0]):  # one call, no copy into packed buffers
-            if plan.direct:
-                grads = _kernel_backward(dout[None], q[None], k[None], v[None], out[None],
-                                         lse[None], causal, scale)
-                return tuple(g[0] for g in grads)
-            bucket = plan.buckets[0]
-            n, width = bucket.q.n, bucket.q.width
-            grads = _kernel_backward(
-                bucket.q.take(dout), bucket.q.take(q), bucket.k.take(k), bucket.k.take(v),
-                bucket.q.take(out), lse.view(-1, n, width).transpose(0, 1).contiguous(),
-                causal, scale,
+            grads = self.kernel_backward(
+                dout[None], q[None], k[None], v[None], out[None], lse[None], scale=scale,
+                window=window, softcap=softcap,
             )
-            return tuple(g.flatten(0, 1) for g in grads)
+            return tuple(g[0] for g in grads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s_q, l_q, s_k, l_k in plan.direct:
             sl_q, sl_k = slice(s_q, s_q + l_q), slice(s_k, s_k + l_k)
-            g_q, g_k, g_v = _kernel_backward(
+            g_q, g_k, g_v = self.kernel_backward(
                 dout[None, sl_q], q[None, sl_q], k[None, sl_k], v[None, sl_k],
-                out[None, sl_q], lse[None, :, sl_q].contiguous(), causal, scale,
+                out[None, sl_q], lse[None, :, sl_q], scale=scale, window=window, softcap=softcap,
             )
             dq[sl_q] = g_q[0]
             dk[sl_k] = g_k[0]
             dv[sl_k] = g_v[0]
+        lse = lse_for_backward(lse, lse_dtype(q.dtype))  # [H, Tq]
         for bucket in plan.buckets:
             n, width = bucket.q.n, bucket.q.width
             lse_b = bucket.q.take(lse.t()).permute(0, 2, 1)  # [n, H, M]
             if bucket.q.start is None:  # padded query rows: +inf, they contribute nothing
                 hidden = ~bucket.q.valid.to(q.device).view(n, 1, width)
                 lse_b = lse_b.masked_fill(hidden, float("inf"))
+            causal, mask, _ = bucket.mask(window, q.dtype, q.device)
             g_q, g_k, g_v = _kernel_backward(
                 bucket.q.take(dout), bucket.q.take(q), bucket.k.take(k), bucket.k.take(v),
-                bucket.q.take(out), lse_b.contiguous(), causal, scale,
-                bucket.key_mask(q.dtype, q.device),
+                bucket.q.take(out), lse_b.contiguous(), causal, scale, mask,
             )
             bucket.q.put(dq, g_q.flatten(0, 1))
             bucket.k.put(dk, g_k.flatten(0, 1))

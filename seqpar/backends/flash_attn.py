@@ -39,6 +39,7 @@ from torch import Tensor
 from .base import (
     KernelBackend,
     Packing,
+    Window,
     lse_for_backward,
     normalise_lse_,
     packed_lse_from_padded,
@@ -179,7 +180,9 @@ class FlashAttnBackend(KernelBackend):
     name = "flash_attn"
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+    ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
         if device.type != "cuda":
             return f"it runs on CUDA only, not {device.type}"
@@ -187,8 +190,14 @@ class FlashAttnBackend(KernelBackend):
             return "CUDA is not available"
         if dtype not in (torch.float16, torch.bfloat16):
             return f"it supports float16 and bfloat16, not {dtype}"
-        if _api_for(device) is None:
+        api = _api_for(device)
+        if api is None:
             return "no usable flash_attn (2.x) or flash_attn_interface (FA3) package is installed"
+        names = api.params["fwd"]
+        if window and not names & {"window_size", "window_size_left"}:
+            return f"flash-attn {api.version} has no sliding window (2.3 and later have)"
+        if softcap and "softcap" not in names:
+            return f"flash-attn {api.version} has no softcap (2.6 and later have)"
         return None
 
     @staticmethod
@@ -204,23 +213,24 @@ class FlashAttnBackend(KernelBackend):
             )
         return api
 
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    def kernel_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
         d = q.shape[-1]
         api = self._api(q.device, d)
         result = api.call(
             "fwd", q=pad_head_dim(q), k=pad_head_dim(k), v=pad_head_dim(v), dropout_p=0.0,
-            softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+            softmax_scale=scale, causal=window == (-1, 0), window=window, softcap=softcap,
+            alibi_slopes=None,
             return_softmax=False, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None,
         )
         out, lse = _lse_from_forward(result)
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def _backward(
+    def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = q.shape[-1]
         api = self._api(q.device, d)
@@ -230,14 +240,16 @@ class FlashAttnBackend(KernelBackend):
             "bwd", dout=pad_head_dim(dout.to(q.dtype)).contiguous(), q=q_p, k=k_p, v=v_p,
             out=pad_head_dim(out.to(q.dtype)).contiguous(),
             softmax_lse=lse_for_backward(lse, torch.float32), dq=dq, dk=dk, dv=dv,
-            dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+            dropout_p=0.0, softmax_scale=scale, causal=window == (-1, 0), window=window,
+            softcap=softcap, alibi_slopes=None,
             deterministic=False, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None,
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
 
-    def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    def kernel_varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
+        softcap: float,
     ) -> tuple[Tensor, Tensor]:
         total_q, _, d = q.shape
         api = self._api(q.device, d)
@@ -248,17 +260,18 @@ class FlashAttnBackend(KernelBackend):
             "fwd" if api.kind == "fa3" else "varlen_fwd",
             q=pad_head_dim(q), k=pad_head_dim(k), v=pad_head_dim(v),
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            softcap=0.0, alibi_slopes=None, return_softmax=False,
+            max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
+            causal=window == (-1, 0), window=window, softcap=softcap, alibi_slopes=None,
+            return_softmax=False,
         )
         out, lse = _lse_from_forward(result)
         if lse.dim() == 3:  # FA2 < 2.6: [nseq, H, max_seqlen_q]
             lse = packed_lse_from_padded(lse, cu_q, total_q)
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def _varlen_backward(
+    def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        packing: Packing, *, causal: bool, scale: float,
+        packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = q.shape[-1]
         api = self._api(q.device, d)
@@ -275,7 +288,8 @@ class FlashAttnBackend(KernelBackend):
             dout=pad_head_dim(dout.to(q.dtype)).contiguous(), q=q_p, k=k_p, v=v_p,
             out=pad_head_dim(out.to(q.dtype)).contiguous(), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+            max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
+            causal=window == (-1, 0), window=window, softcap=softcap, alibi_slopes=None,
+            deterministic=False, rng_state=None,
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)

@@ -1,13 +1,16 @@
-"""Plain-math attention: the differentiable reference functions and the ``"reference"`` backend.
+"""Plain-math attention: the differentiable ground truth and the ``"reference"`` backend.
 
 ``reference_attention`` / ``reference_varlen_attention`` are the single-device ground truth used
 across the project's tests (run them in float64). They are ordinary autograd code in the input
 dtype, so in bf16 they also serve as the "same-dtype PyTorch implementation" of flash-attn's
-accuracy rule.
+accuracy rule. They take every mask and score option seqpar has (Note [Masks] in
+``seqpar.placement.masks``): causal, window, chunk_size, softcap and sinks.
 
 ``ReferenceBackend`` implements the backend protocol with explicit forward/backward formulas in the
-accumulator dtype (fp32, or fp64 for fp64 inputs). It runs on any device and dtype but materialises
-the ``[B, H, Sq, Sk]`` score matrix, so it is meant for tests and small problems.
+accumulator dtype (fp32, or fp64 for fp64 inputs), on any device and dtype, with windows and
+softcap. It processes query rows in tiles so that the score matrix it materialises stays below
+about ``_TILE_ELEMENTS`` elements: it is the exact fallback for options a flash kernel lacks
+(softcap on the CPU kernel, say), not a fast path.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import itertools
 import torch
 from torch import Tensor
 
-from ..merge import accumulator_dtype
-from .base import KernelBackend, Packing, check_dense, empty_forward, lse_for_backward
+from ..placement.masks import Mask
+from .base import KernelBackend, Packing, Window, check_dense, empty_forward, lse_dtype, row_key_bounds
 
 __all__ = ["reference_attention", "reference_varlen_attention", "ReferenceBackend"]
+
+# Scores per tile (batch x heads x rows x keys) in ReferenceBackend.
+_TILE_ELEMENTS = 1 << 24
 
 
 def _expand_kv_heads(x: Tensor, heads: int) -> Tensor:
@@ -28,9 +34,8 @@ def _expand_kv_heads(x: Tensor, heads: int) -> Tensor:
     return x.repeat_interleave(heads // x.shape[2], dim=2)
 
 
-def _causal_mask(sq: int, sk: int, device: torch.device) -> Tensor:
-    """Bool ``[sq, sk]``, True where a key lies after its query (diagonal aligned, top-left)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+def _cap(scores: Tensor, softcap: float) -> Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
 
 
 def reference_attention(
@@ -40,45 +45,58 @@ def reference_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax attention in plain differentiable torch ops, in the dtype of the inputs.
 
+    Query row ``i`` has position ``i + Sk - Sq`` and key ``j`` position ``j`` (bottom-right
+    alignment, the usual self-attention when ``Sq == Sk``); the mask is Note [Masks] on those
+    positions.
+
     Args:
         q: ``(batch, seqlen_q, nheads, headdim)``.
         k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; kv heads are repeated for GQA/MQA.
-        causal: mask keys after their query; requires ``seqlen_q == seqlen_k``.
+        causal, window, chunk_size: the mask (Note [Masks]).
         scale: softmax scale, default ``headdim ** -0.5``.
-        return_lse: also return the log-sum-exp.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` when ``> 0``.
+        sinks: ``(nheads,)`` logits joining every row's softmax denominator.
+        return_lse: also return the log-sum-exp (sinks included).
 
     Returns:
         ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_lse`` also
-        ``lse`` ``(batch, nheads, seqlen_q)`` in ``accumulator_dtype(q.dtype)``. Rows without keys
-        (``seqlen_k == 0``) give ``out = 0`` and ``lse = -inf``.
-
-    Raises:
-        ValueError: on malformed shapes, or causal with ``seqlen_q != seqlen_k``.
+        ``lse`` ``(batch, nheads, seqlen_q)`` in the accumulator dtype (``-inf`` for rows that
+        see no key and no sink; their output is 0).
     """
-    if causal and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"causal reference attention needs seqlen_q == seqlen_k, got {q.shape[1]} and "
-            f"{k.shape[1]}"
-        )
-    check_dense(q, k, v, causal)
+    check_dense(q, k, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    heads = q.shape[2]
-    k = _expand_kv_heads(k, heads)
-    v = _expand_kv_heads(v, heads)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        scores = scores.masked_fill(_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # an empty key dim gives out = 0, lse = -inf below
+    b, sq, heads, _ = q.shape
+    sk = k.shape[1]
+    k, v = _expand_kv_heads(k, heads), _expand_kv_heads(v, heads)
+    scores = _cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, softcap)
+    pos_q = torch.arange(sq, device=q.device) + (sk - sq)
+    allowed = Mask(causal, window, chunk_size).allows(pos_q, torch.arange(sk, device=q.device))
+    allowed = allowed.expand(b, heads, sq, sk)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(b, heads, sq, 1)
+        scores = torch.cat([scores, sink], -1)
+        allowed = torch.cat([allowed, torch.ones_like(allowed[..., :1])], -1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    # Rows that see nothing: softmax over zeros (finite), multiplied by 0 -> out 0, gradient 0.
+    any_key = allowed.any(-1, keepdim=True)
+    scores = torch.where(any_key, scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, dim=-1) * any_key
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     if not return_lse:
         return out
-    lse = torch.logsumexp(scores.to(accumulator_dtype(q.dtype)), dim=-1)
-    return out, lse
+    lse = torch.logsumexp(scores.to(lse_dtype(q.dtype)), dim=-1)
+    return out, lse.masked_fill(~any_key[..., 0], float("-inf"))
 
 
 def reference_varlen_attention(
@@ -87,10 +105,9 @@ def reference_varlen_attention(
     v: Tensor,
     seq_lens: list[int],
     *,
-    causal: bool = False,
-    scale: float | None = None,
     seq_lens_k: list[int] | None = None,
     return_lse: bool = False,
+    **options,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-diagonal attention over packed sequences, one :func:`reference_attention` per sequence.
 
@@ -98,10 +115,10 @@ def reference_varlen_attention(
         q: ``(total_q, nheads, headdim)`` with ``total_q == sum(seq_lens)``.
         k, v: ``(total_k, nheads_kv, headdim)``.
         seq_lens: query length of each sequence (zeros allowed).
-        causal: per-sequence causal mask; requires equal q and k lengths.
-        scale: softmax scale, default ``headdim ** -0.5``.
         seq_lens_k: key lengths per sequence when they differ from ``seq_lens``.
         return_lse: also return the log-sum-exp.
+        options: ``causal``, ``scale``, ``window``, ``chunk_size``, ``softcap``, ``sinks`` as in
+            :func:`reference_attention`, per sequence (positions restart in every sequence).
 
     Returns:
         ``out`` ``(total_q, nheads, headdim)``; with ``return_lse`` also ``lse``
@@ -119,80 +136,112 @@ def reference_varlen_attention(
             f"{sum(lens_k)} (k has {k.shape[0]} tokens)"
         )
     outs, lses = [], []
-    for qs, ks, vs in zip(
-        q.split(list(seq_lens)), k.split(lens_k), v.split(lens_k), strict=True
-    ):
-        out, lse = reference_attention(
-            qs[None], ks[None], vs[None], causal=causal, scale=scale, return_lse=True
-        )
+    for qs, ks, vs in zip(q.split(list(seq_lens)), k.split(lens_k), v.split(lens_k), strict=True):
+        out, lse = reference_attention(qs[None], ks[None], vs[None], return_lse=True, **options)
         outs.append(out[0])
         lses.append(lse[0])
     if outs:
-        out = torch.cat(outs)
-        lse = torch.cat(lses, dim=1)
+        out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     else:
-        out = q.new_zeros(q.shape)
-        lse = q.new_zeros((q.shape[1], 0), dtype=accumulator_dtype(q.dtype))
+        out, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=lse_dtype(q.dtype))
     return (out, lse) if return_lse else out
 
 
 class ReferenceBackend(KernelBackend):
-    """Explicit-formula attention in fp32/fp64 on any device; O(Sq * Sk) memory per head."""
+    """Explicit-formula attention in fp32/fp64 on any device, tiled over query rows."""
 
     name = "reference"
     host_lengths = True  # one dense call per sequence
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
-        """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+    ) -> str | None:
+        """``None`` if this backend runs on ``device``/``dtype``, else why not (any feature)."""
         if not dtype.is_floating_point:
             return f"dtype {dtype} is not a floating-point type"
         return None
 
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """Explicit formulas in the accumulator dtype."""
-        acc = accumulator_dtype(q.dtype)
-        heads = q.shape[2]
-        qf = q.to(acc)
-        kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
-        scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-        if causal:
-            scores.masked_fill_(_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
-        probs = torch.exp(scores - lse_for_backward(lse, acc).unsqueeze(-1))
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
-        return out.to(q.dtype), lse
+    @staticmethod
+    def _tiles(q: Tensor, k: Tensor, window: Window):
+        """``(rows, key range, allowed [rows, keys])`` per tile of query rows that see a key."""
+        b, sq, h, _ = q.shape
+        sk = k.shape[1]
+        lower, upper = row_key_bounds(sq, sk, window, q.device)
+        rows = max(1, _TILE_ELEMENTS // max(1, b * h * sk))
+        for i0 in range(0, sq, rows):
+            i1 = min(sq, i0 + rows)
+            lo, hi = lower[i0:i1], upper[i0:i1]
+            if bool((lo > hi).all()):
+                continue
+            j0, j1 = int(lo.min()), int(hi.max()) + 1
+            cols = torch.arange(j0, j1, device=q.device)
+            allowed = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+            yield slice(i0, i1), slice(j0, j1), allowed
 
-    def _backward(
+    @staticmethod
+    def _scores(q: Tensor, k: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor | None]:
+        """Capped scores ``[B, H, rows, keys]`` and ``tanh`` of the uncapped ones (for backward)."""
+        raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        if softcap <= 0:
+            return raw, None
+        t = torch.tanh(raw / softcap)
+        return softcap * t, t
+
+    def kernel_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
+    ) -> tuple[Tensor, Tensor]:
+        """Explicit formulas in the accumulator dtype, tile by tile of query rows."""
+        acc = lse_dtype(q.dtype)
+        b, sq, heads, _ = q.shape
+        out, lse = empty_forward(q, (b, heads, sq))
+        kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
+        for rows, cols, allowed in self._tiles(q, k, window):
+            scores, _ = self._scores(q[:, rows].to(acc), kf[:, cols], scale, softcap)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            tile_lse = torch.logsumexp(scores, dim=-1)  # [B, H, rows]
+            safe = tile_lse.masked_fill(tile_lse == float("-inf"), float("inf"))
+            probs = torch.exp(scores - safe.unsqueeze(-1))
+            out[:, rows] = torch.einsum("bhqk,bkhd->bqhd", probs, vf[:, cols]).to(q.dtype)
+            lse[..., rows] = tile_lse
+        return out, lse
+
+    def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Explicit formulas in the accumulator dtype, reading the given ``out`` and ``lse``."""
-        acc = accumulator_dtype(q.dtype)
+        acc = lse_dtype(q.dtype)
         b, sk, hkv, d = k.shape
         heads = q.shape[2]
-        qf = q.to(acc)
         kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
-        dof, of = dout.to(acc), out.to(q.dtype).to(acc)
-        scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
-        if causal:
-            scores.masked_fill_(_causal_mask(q.shape[1], sk, q.device), float("-inf"))
-        probs = torch.exp(scores - lse_for_backward(lse, acc).unsqueeze(-1))  # [B, H, Sq, Sk]
-        dv = torch.einsum("bhqk,bqhd->bkhd", probs, dof)
-        dprobs = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
-        delta = (dof * of).sum(-1).transpose(1, 2)  # [B, H, Sq]
-        dscores = probs * (dprobs - delta.unsqueeze(-1))
-        dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kf) * scale
-        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qf) * scale
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(kf.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(vf.shape, dtype=acc, device=q.device)
+        for rows, cols, allowed in self._tiles(q, k, window):
+            qf, dof = q[:, rows].to(acc), dout[:, rows].to(acc)
+            of = out[:, rows].to(q.dtype).to(acc)
+            scores, tanh = self._scores(qf, kf[:, cols], scale, softcap)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            row_lse = lse[..., rows].to(acc)
+            row_lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
+            probs = torch.exp(scores - row_lse.unsqueeze(-1))  # [B, H, rows, keys]
+            dv[:, cols] += torch.einsum("bhqk,bqhd->bkhd", probs, dof)
+            dprobs = torch.einsum("bqhd,bkhd->bhqk", dof, vf[:, cols])
+            delta = (dof * of).sum(-1).transpose(1, 2)  # [B, H, rows]
+            dscores = probs * (dprobs - delta.unsqueeze(-1))
+            if tanh is not None:
+                dscores = dscores * (1 - tanh * tanh)
+            dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", dscores, kf[:, cols]) * scale
+            dk[:, cols] += torch.einsum("bhqk,bqhd->bkhd", dscores, qf) * scale
         group = heads // hkv
         dk = dk.view(b, sk, hkv, group, d).sum(3)
         dv = dv.view(b, sk, hkv, group, d).sum(3)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    def kernel_varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
+        softcap: float,
     ) -> tuple[Tensor, Tensor]:
         """One dense call per sequence."""
         lens_q, lens_k = packing.host_lens()
@@ -202,17 +251,17 @@ class ReferenceBackend(KernelBackend):
         for lq, lk, sq, sk in zip(lens_q, lens_k, starts_q, starts_k):
             if lq == 0 or lk == 0:
                 continue
-            o, l = self._forward(
-                q[None, sq:sq + lq], k[None, sk:sk + lk], v[None, sk:sk + lk], causal=causal,
-                scale=scale,
+            o, l = self.kernel_forward(
+                q[None, sq:sq + lq], k[None, sk:sk + lk], v[None, sk:sk + lk], scale=scale,
+                window=window, softcap=softcap,
             )
             out[sq:sq + lq] = o[0]
             lse[:, sq:sq + lq] = l[0]
         return out, lse
 
-    def _varlen_backward(
+    def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        packing: Packing, *, causal: bool, scale: float,
+        packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One dense call per sequence."""
         lens_q, lens_k = packing.host_lens()
@@ -222,10 +271,10 @@ class ReferenceBackend(KernelBackend):
         for lq, lk, sq, sk in zip(lens_q, lens_k, starts_q, starts_k):
             if lq == 0 or lk == 0:
                 continue
-            g = self._backward(
+            g = self.kernel_backward(
                 dout[None, sq:sq + lq], q[None, sq:sq + lq], k[None, sk:sk + lk],
                 v[None, sk:sk + lk], out[None, sq:sq + lq], lse[None, :, sq:sq + lq],
-                causal=causal, scale=scale,
+                scale=scale, window=window, softcap=softcap,
             )
             dq[sq:sq + lq] = g[0][0]
             dk[sk:sk + lk] = g[1][0]

@@ -1,6 +1,8 @@
 """CUDA kernels bundled with PyTorch: ``"torch_flash"`` (FlashAttention-2), ``"torch_efficient"``.
 
-``torch_flash`` calls ``aten._flash_attention_forward/_backward``. Dense inputs are bshd 4-D with
+``torch_flash`` calls ``aten._flash_attention_forward/_backward``, with windows through their
+``window_size_left/right`` arguments where the installed torch has them (2.5 and later; checked
+on the op schema). Dense inputs are bshd 4-D with
 ``cum_seq_q = cum_seq_k = None`` (lse ``[B, H, Sq]``); varlen inputs are ``[T, H, D]`` 3-D with
 int32 ``cum_seq_*`` (lse ``[H, T]``; ROCm builds may return ``[nseq, H, max_q]``, converted here).
 GQA is native. fp16/bf16 only, head dim <= 256 (padded here to a multiple of 8). Rows with no keys
@@ -16,7 +18,10 @@ memory-efficient kernel), which also runs fp32. Its quirks, from the PyTorch sou
 - varlen needs a batch dim of 1 (``[1, T, H, D]``) plus int32 ``cu_seqlens``;
 - lse is ``[B or nseq, H, ceil(S / 32) * 32]`` padded; the backward reads the padding, which must
   be ``+inf``;
-- ``custom_mask_type``: 0 none, 1 causal aligned top-left (used; blocks are square).
+- ``custom_mask_type``: 0 none, 1 causal aligned top-left, 2 causal aligned bottom-right (used
+  for causal blocks); other windows are not offered (``"auto"`` then picks ``reference``).
+
+Neither kernel has a softcap: ``"auto"`` picks ``flash_attn`` (when installed) or ``reference``.
 
 Neither kernel could be run where this module was written (no GPU); ``tests/test_backends.py``
 checks both against the float64 reference when CUDA is present.
@@ -30,6 +35,7 @@ from torch import Tensor
 from .base import (
     KernelBackend,
     Packing,
+    Window,
     lse_for_backward,
     normalise_lse_,
     packed_lse_from_padded,
@@ -57,6 +63,11 @@ def _cu(cu_seqlens: Tensor) -> Tensor:
     return cu_seqlens.to(torch.int32).contiguous()
 
 
+def _flash_has_window() -> bool:
+    """Whether this torch's ``_flash_attention_forward`` takes ``window_size_left/right``."""
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+
+
 def _cuda_reason(device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...],
                  min_capability: tuple[int, int]) -> str | None:
     if device.type != "cuda":
@@ -77,37 +88,44 @@ class TorchFlashBackend(KernelBackend):
     name = "torch_flash"
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+    ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if softcap:
+            return "PyTorch's bundled FlashAttention has no softcap (install flash-attn, or use 'reference')"
+        if window and not _flash_has_window():
+            return f"this torch ({torch.__version__}) has no window arguments on its FlashAttention op"
         return _cuda_reason(device, dtype, (torch.float16, torch.bfloat16), (8, 0))
 
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    def kernel_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         _check_head_dim(d, self.name)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
-            None, None, sq, sk, 0.0, causal, False, scale=scale,
+            None, None, sq, sk, 0.0, window == (-1, 0), False, scale=scale, **_window_kwargs(window),
         )
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def _backward(
+    def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         _check_head_dim(d, self.name)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
             pad_head_dim(out.to(q.dtype)), lse_for_backward(lse, torch.float32),
-            None, None, sq, sk, 0.0, causal,
-            *_unused_rng(q.device), scale=scale,
+            None, None, sq, sk, 0.0, window == (-1, 0),
+            *_unused_rng(q.device), scale=scale, **_window_kwargs(window),
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
 
-    def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    def kernel_varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
+        softcap: float,
     ) -> tuple[Tensor, Tensor]:
         total_q, _, d = q.shape
         _check_head_dim(d, self.name)
@@ -115,15 +133,16 @@ class TorchFlashBackend(KernelBackend):
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
-            cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
+            cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, window == (-1, 0), False, scale=scale,
+            **_window_kwargs(window),
         )
         if lse.dim() == 3:  # ROCm: per-sequence padded layout
             lse = packed_lse_from_padded(lse, cu_q, total_q)
         return unpad_head_dim(out, d), normalise_lse_(lse)
 
-    def _varlen_backward(
+    def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        packing: Packing, *, causal: bool, scale: float,
+        packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = q.shape[-1]
         _check_head_dim(d, self.name)
@@ -135,10 +154,17 @@ class TorchFlashBackend(KernelBackend):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
             pad_head_dim(out.to(q.dtype)), lse,
-            cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, causal, *_unused_rng(q.device),
-            scale=scale,
+            cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, window == (-1, 0), *_unused_rng(q.device),
+            scale=scale, **_window_kwargs(window),
         )
         return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+
+
+def _window_kwargs(window: Window) -> dict[str, int]:
+    """The op's window arguments (omitted for no window or plain causal, as older torch lacks them)."""
+    if window in ((-1, -1), (-1, 0)):
+        return {}
+    return {"window_size_left": window[0], "window_size_right": window[1]}
 
 
 def _unused_rng(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -160,6 +186,12 @@ def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
     return grad.view(*lead, kv_heads, heads // kv_heads, d).sum(-2)
 
 
+def _mask_type(window: Window) -> int:
+    """``custom_mask_type``: 0 no mask, 2 causal aligned bottom-right (flash-attn's convention)."""
+    assert window in ((-1, -1), (-1, 0)), window  # unsupported_reason refuses other windows
+    return 0 if window == (-1, -1) else 2
+
+
 def _aligned(n: int) -> int:
     return -(-n // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
 
@@ -178,25 +210,31 @@ class TorchEfficientBackend(KernelBackend):
     name = "torch_efficient"
 
     @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+    def unsupported_reason(
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+    ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if softcap:
+            return "PyTorch's memory-efficient kernel has no softcap (use 'reference')"
+        if window:
+            return "PyTorch's memory-efficient kernel has no general window (use 'torch_flash' or 'reference')"
         if dtype == torch.bfloat16:
             return _cuda_reason(device, dtype, (torch.bfloat16,), (8, 0))
         return _cuda_reason(device, dtype, (torch.float32, torch.float16), (5, 0))
 
-    def _forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
+    def kernel_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
         _, sq, h, d = q.shape
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             pad_head_dim(q), pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)),
-            None, None, None, None, None, 0.0, int(causal), True, scale=scale,
+            None, None, None, None, None, 0.0, _mask_type(window), True, scale=scale,
         )
         return unpad_head_dim(out, d), normalise_lse_(lse[..., :sq].contiguous())
 
-    def _backward(
+    def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        causal: bool, scale: float,
+        scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -206,14 +244,15 @@ class TorchEfficientBackend(KernelBackend):
             pad_head_dim(dout.to(q.dtype)).contiguous(), pad_head_dim(q),
             pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)), None,
             pad_head_dim(out.to(q.dtype)).contiguous(), None, None, sq, sk, lse_padded, 0.0,
-            *_philox_unused(), int(causal), False, scale=scale,
+            *_philox_unused(), _mask_type(window), False, scale=scale,
         )
         dk = _sum_kv_groups(unpad_head_dim(dk, d), hkv)
         dv = _sum_kv_groups(unpad_head_dim(dv, d), hkv)
         return unpad_head_dim(dq, d), dk.to(k.dtype), dv.to(v.dtype)
 
-    def _varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, causal: bool, scale: float
+    def kernel_varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
+        softcap: float,
     ) -> tuple[Tensor, Tensor]:
         total_q, h, d = q.shape
         cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
@@ -221,7 +260,7 @@ class TorchEfficientBackend(KernelBackend):
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             pad_head_dim(q)[None], pad_head_dim(_repeat_kv(k, h))[None],
             pad_head_dim(_repeat_kv(v, h))[None], None, cu_q, cu_k,
-            max_seqlen_q, max_seqlen_k, 0.0, int(causal), True, scale=scale,
+            max_seqlen_q, max_seqlen_k, 0.0, _mask_type(window), True, scale=scale,
         )
         out = unpad_head_dim(out[0], d)
         lse = normalise_lse_(packed_lse_from_padded(lse, cu_q, total_q))
@@ -231,9 +270,9 @@ class TorchEfficientBackend(KernelBackend):
         out.masked_fill_(no_keys[:, None, None], 0.0)
         return out, lse
 
-    def _varlen_backward(
+    def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        packing: Packing, *, causal: bool, scale: float,
+        packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         total_q, h, d = q.shape
         total_k, hkv = k.shape[0], k.shape[1]
@@ -246,7 +285,7 @@ class TorchEfficientBackend(KernelBackend):
             pad_head_dim(dout.to(q.dtype)).contiguous()[None], pad_head_dim(q)[None],
             pad_head_dim(_repeat_kv(k, h))[None], pad_head_dim(_repeat_kv(v, h))[None], None,
             pad_head_dim(out.to(q.dtype)).contiguous()[None], cu_q, cu_k,
-            max_seqlen_q, max_seqlen_k, lse_padded, 0.0, *_philox_unused(), int(causal), False,
+            max_seqlen_q, max_seqlen_k, lse_padded, 0.0, *_philox_unused(), _mask_type(window), False,
             scale=scale,
         )
         dq = unpad_head_dim(dq[0], d)

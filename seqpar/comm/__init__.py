@@ -4,15 +4,21 @@
 not initialised (every collective is then the identity).
 """
 
-from ..layout import split_sizes
-from ._group import group_rank, group_size
+from ..placement.sizes import split_sizes
 from .all_to_all import all_to_all, all_to_all_many
-from .collectives import all_gather, all_reduce, copy_to, gather, reduce_scatter, split
+from .collectives import all_gather, all_reduce, copy_to, gather, reduce_, reduce_scatter, split
+from .group import Group, check_dim, check_group, exchange_ints, group_rank, group_size, refuse_double_backward
+from .p2p import Pending, post
 
 __all__ = [
     "split_sizes",
+    "Group",
     "group_size",
     "group_rank",
+    "check_group",
+    "check_dim",
+    "exchange_ints",
+    "refuse_double_backward",
     "all_to_all",
     "all_to_all_many",
     "split",
@@ -21,4 +27,7 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "copy_to",
+    "reduce_",
+    "post",
+    "Pending",
 ]

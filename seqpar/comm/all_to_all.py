@@ -30,8 +30,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ..layout import offsets, split_sizes
-from ._group import Group, check_dim, check_group, exchange_ints, group_rank, group_size
+from ..placement.sizes import offsets, split_sizes
+from .group import Group, check_dim, check_group, exchange_ints, group_rank, group_size, refuse_double_backward
 
 __all__ = ["all_to_all", "all_to_all_many"]
 
@@ -130,8 +130,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_double_backward("seqpar.comm.all_to_all")
         group, sd, gd, ranges = ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.ranges
-        n, me = group_size(group), group_rank(group)
+        n = group_size(group)
         lens = [sum(r[j][1] for r in ranges) for j in range(n)]
         # Each output's gradient goes straight into the staging buffer, stacked along the
         # reverse's gather dim (the forward's scatter dim): no combined gradient buffer.
@@ -188,13 +189,22 @@ def _check_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, where: str) 
 
 
 def _gather_sizes(
-    xs: Sequence[torch.Tensor], group: Group, gather_dim: int, scatter_dim: int, gather_size: int | None, where: str
+    xs: Sequence[torch.Tensor], group: Group, gather_dim: int, scatter_dim: int,
+    gather_size: int | Sequence[int] | None, where: str,
 ) -> list[int]:
     """Gather-dim length on every rank, from ``gather_size`` or by exchanging shapes."""
     n, me = group_size(group), group_rank(group)
     local = xs[0].shape[gather_dim]
+    if gather_size is not None and not isinstance(gather_size, (int, bool)):
+        sizes = [int(s) for s in gather_size]
+        if len(sizes) != n or sizes[me] != local:
+            raise ValueError(
+                f"{where}: gather sizes {sizes} must give each of the {n} ranks its length; rank "
+                f"{me} has {local} along gather_dim={gather_dim}"
+            )
+        return sizes
     if gather_size is not None:
-        if isinstance(gather_size, bool) or not isinstance(gather_size, int) or gather_size < 0:
+        if isinstance(gather_size, bool) or gather_size < 0:
             raise ValueError(f"{where}: gather_size must be a non-negative int, got {gather_size!r}")
         sizes = split_sizes(gather_size, n)
         if sizes[me] != local:
@@ -271,7 +281,7 @@ def all_to_all_many(
     group: Group,
     scatter_dim: int,
     gather_dim: int,
-    gather_size: int | None = None,
+    gather_size: int | Sequence[int] | None = None,
     scatter_ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> list[torch.Tensor]:
     """One fused all-to-all of several tensors (e.g. q, k and v), differentiable.
@@ -281,6 +291,7 @@ def all_to_all_many(
     tensor ``t`` goes to rank ``j`` (default: the ``split_sizes`` partition); ranges may overlap,
     which sends a slice to several ranks (their gradients are summed in backward). Returns one
     tensor per input, as in :func:`all_to_all`; the outputs are views of one receive buffer.
+    ``gather_size`` may also be the list of every rank's gather length (any sizes).
 
     Raises:
         ValueError: as :func:`all_to_all`, plus mismatched tensors or malformed ranges.

@@ -24,8 +24,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ..layout import offsets, split_sizes
-from ._group import (
+from ..placement.sizes import offsets, split_sizes
+from .group import (
     Group,
     all_gather_flat,
     check_dim,
@@ -37,7 +37,7 @@ from ._group import (
     reduce_scatter_flat,
 )
 
-__all__ = ["split", "gather", "all_gather", "reduce_scatter", "all_reduce", "copy_to"]
+__all__ = ["split", "gather", "all_gather", "reduce_scatter", "all_reduce", "copy_to", "reduce_"]
 
 GradScale = Literal["up", "down"] | None
 
@@ -308,3 +308,13 @@ def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
     _check_tensor(x, "copy_to")
     check_group(group, "copy_to")
     return _CopyTo.apply(x, group)
+
+
+def reduce_(x: torch.Tensor, group: Group, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+    """In-place all-reduce of ``x`` over ``group`` without autograd (sum or max); returns ``x``.
+
+    For code that writes its own backward (e.g. the LSE merge of replicated queries).
+    """
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return x

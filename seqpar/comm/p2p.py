@@ -1,13 +1,15 @@
-"""Ring point-to-point transport: send to the next rank, receive from the previous one.
+"""Point-to-point transfers between ranks of a group, posted asynchronously.
 
-The ring is the rank order of ``group``: rank ``r`` sends to ``(r + 1) % N`` and receives from
-``(r - 1) % N``. Transfers are posted asynchronously (``batch_isend_irecv``) so that a caller can
-compute on the current block while the next one is in flight::
+``post`` starts sends and receives at once (one ``batch_isend_irecv``) and returns a handle whose
+``wait`` blocks until all of them completed, so a caller can compute while data is in flight::
 
-    ex = RingExchange(group)
-    ex.start(send=[k, v], recv=[k_next, v_next])   # post
-    ...compute with k, v...                       # overlap
-    ex.wait()                                      # k_next, v_next are now filled
+    pending = post(group, sends=[(dst, kv_rows)], recvs=[(src, kv_buffer)])
+    ...compute on the current block...
+    pending.wait()                      # kv_buffer is now filled
+
+Peers are ranks *of the group*. Every send must be matched by a receive of the same shape and
+dtype posted by the peer, in the same order per pair of ranks. Send tensors are kept alive until
+``wait``; receive buffers must be contiguous.
 """
 
 from __future__ import annotations
@@ -17,55 +19,42 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ._group import Group, group_rank, group_size
+from .group import Group
 
-__all__ = ["RingExchange"]
+__all__ = ["post", "Pending"]
 
 
-class RingExchange:
-    """Asynchronous neighbour exchange along the ring of ``group``.
+class Pending:
+    """Transfers in flight; :meth:`wait` completes them."""
 
-    Args:
-        group: the ring's process group (``None``: default group, or one process).
-
-    Receive buffers must have the shapes the previous rank sends (sizes may differ per rank,
-    e.g. uneven zig-zag chunks); send tensors are made contiguous if needed and kept alive
-    until :meth:`wait`.
-    """
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self.size = group_size(group)
-        self.rank = group_rank(group)
-        self._reqs: list = []
-        self._keep: list[torch.Tensor] = []
-        if self.size > 1:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.size))
-            self.next_rank = ranks[(self.rank + 1) % self.size]  # global ranks, as P2POp wants
-            self.prev_rank = ranks[(self.rank - 1) % self.size]
-
-    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]) -> None:
-        """Post the sends of ``send`` to the next rank and receives into ``recv`` from the previous."""
-        assert not self._reqs, "RingExchange.start called twice without wait()"
-        if self.size == 1:
-            for s, r in zip(send, recv):
-                r.copy_(s)
-            return
-        ops = []
-        self._keep = [t.contiguous() for t in send]
-        for t in self._keep:
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, self.next_rank, group=self.group))
-        for t in recv:
-            assert t.is_contiguous(), "receive buffers must be contiguous"
-            if t.numel():
-                ops.append(dist.P2POp(dist.irecv, t, self.prev_rank, group=self.group))
-        if ops:
-            self._reqs = dist.batch_isend_irecv(ops)
+    def __init__(self, requests: list, keep: list[torch.Tensor]) -> None:
+        self._requests = requests
+        self._keep = keep
 
     def wait(self) -> None:
-        """Block until the posted transfers have completed."""
-        for req in self._reqs:
-            req.wait()
-        self._reqs = []
-        self._keep = []
+        """Block until every posted send and receive has completed."""
+        for request in self._requests:
+            request.wait()
+        self._requests, self._keep = [], []
+
+
+def post(
+    group: Group,
+    sends: Sequence[tuple[int, torch.Tensor]] = (),
+    recvs: Sequence[tuple[int, torch.Tensor]] = (),
+) -> Pending:
+    """Post ``sends`` (``(group rank, tensor)``) and ``recvs`` (``(group rank, buffer)``) at once.
+
+    Empty tensors are skipped (the peer skips its matching empty one too).
+    """
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    keep = [t.contiguous() for _, t in sends]
+    ops = []
+    for (peer, _), t in zip(sends, keep):
+        if t.numel():
+            ops.append(dist.P2POp(dist.isend, t, ranks[peer] if ranks else peer, group=group))
+    for peer, t in recvs:
+        assert t.is_contiguous(), "receive buffers must be contiguous"
+        if t.numel():
+            ops.append(dist.P2POp(dist.irecv, t, ranks[peer] if ranks else peer, group=group))
+    return Pending(dist.batch_isend_irecv(ops) if ops else [], keep)

@@ -1,4 +1,4 @@
-"""Merging partial attention results by their log-sum-exp (LSE).
+"""Merging partial attention results by their log-sum-exp (LSE), and attention sinks.
 
 Note [LSE merge]
 ~~~~~~~~~~~~~~~~
@@ -17,6 +17,14 @@ references by 0).
 Accumulators are kept in fp32 (fp64 when the inputs are fp64) and cast to the input dtype once
 at the end by the caller. Shapes follow the backends: ``out [*, S, H, D]`` with ``lse [*, H, S]``,
 i.e. dense ``[B, S, H, D]`` / ``[B, H, S]`` and varlen ``[T, H, D]`` / ``[H, T]``.
+
+Note [Attention sinks]
+~~~~~~~~~~~~~~~~~~~~~~
+A sink (gpt-oss ``s_aux``) is one extra logit ``z_h`` per head that joins every row's softmax
+denominator and contributes no value: it is a part with ``lse = z_h`` and ``out = 0``, merged
+last. The kernels' backward, given the final ``out`` and ``lse``, then yields exact dq/dk/dv, and
+``d z_h = -sum_rows exp(z_h - lse) * <dout, out>`` (the sink's probability times the row's
+``delta``, with a minus sign).
 """
 
 from __future__ import annotations
@@ -26,12 +34,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["accumulator_dtype", "new_accumulators", "merge_", "merge"]
+from ..backends.base import lse_dtype as accumulator_dtype
 
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results are merged in: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+__all__ = ["accumulator_dtype", "new_accumulators", "merge_", "merge", "add_sinks", "sinks_grad"]
 
 
 def new_accumulators(
@@ -123,3 +128,37 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
     lse = lse_a.to(acc, copy=True)
     merge_(out, lse, out_b, lse_b)
     return out, lse
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge one sink logit per head into ``(out, lse)`` (Note [Attention sinks]).
+
+    Args:
+        out: ``[*, S, H, D]`` attention output over the keys (any floating dtype).
+        lse: ``[*, H, S]`` its LSE (accumulator dtype; ``-inf`` for rows without keys).
+        sinks: ``[H]`` logits.
+
+    Returns:
+        ``(out, lse)`` with the sinks in the denominators: ``out`` in ``out``'s dtype (scaled
+        in the accumulator dtype), ``lse`` in the accumulator dtype.
+    """
+    z = sinks.to(lse.dtype).view(*([1] * (lse.dim() - 2)), -1, 1)  # [*, H, 1]
+    new_lse = torch.logaddexp(lse, z.expand_as(lse))
+    weight = torch.exp(lse - new_lse).transpose(-1, -2).unsqueeze(-1)  # [*, S, H, 1]
+    return (out.to(lse.dtype) * weight).to(out.dtype), new_lse
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Gradient of the sink logits: ``-sum_rows exp(z - lse) * <dout, out>``, shaped like ``sinks``.
+
+    Args:
+        dout, out: ``[*, S, H, D]`` (the final output, sinks included).
+        lse: ``[*, H, S]`` the final LSE, sinks included.
+        sinks: ``[H]``.
+    """
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(-1, -2)  # [*, H, S]
+    z = sinks.to(acc).view(*([1] * (lse.dim() - 2)), -1, 1)
+    grad = -(torch.exp(z - lse) * delta)
+    return grad.sum(dim=[d for d in range(grad.dim()) if d != grad.dim() - 2]).to(sinks.dtype)
+

@@ -72,3 +72,22 @@ def exchange_ints(values: list[int], group: Group, device: torch.device) -> list
 # torch >= 2.13 renames the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def refuse_double_backward(what: str) -> None:
+    """Raise in a backward that runs with ``create_graph=True`` (grad mode on).
+
+    seqpar's collectives and attention have backward passes that are not themselves
+    differentiable; without this check a gradient penalty would silently get gradients that do
+    not require grad (second-order terms of zero). Called first thing in a backward, before any
+    communication, so every rank raises.
+
+    Raises:
+        RuntimeError: naming ``what`` and the way out.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} does not support double backward (torch.autograd.grad(..., create_graph=True),"
+            " e.g. a gradient penalty through attention): its backward is not differentiable; "
+            "compute such terms without it"
+        )

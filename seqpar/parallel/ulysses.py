@@ -31,6 +31,10 @@ dividing ``H_u`` whose query heads share a K/V head). This only happens when a r
 heads start or end inside a group and the pieces differ in size; it costs one copy of that
 rank's K/V heads, never communication.
 
+Tensors that are replicated on every rank rather than sharded over tokens (sinks, the text K/V of
+joint attention) need no all-to-all: the inner attention slices them with its
+:class:`HeadAssignment` (``q_heads`` / ``kv_heads``).
+
 q, k and v travel in one fused all-to-all. When v's head dim differs from q's, the head and
 head-dim axes are flattened so the three still share every dim but the scattered one (a copy
 only when those two axes are not adjacent in memory).
@@ -38,21 +42,17 @@ only when those two axes are not adjacent in memory).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from .checks import check_gqa, check_qkv
-from .comm import all_to_all, all_to_all_many, group_rank, group_size
-from .comm._group import Group, check_group
-from .layout import offsets, split_sizes
+from ..checks import check_gqa, check_qkv
+from ..comm import Group, all_to_all_many, check_group, exchange_ints, group_rank, group_size
+from ..placement.sizes import offsets, split_sizes
 
 __all__ = ["HeadAssignment", "head_assignments", "ulysses_attention", "InnerAttention"]
-
-InnerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``inner(q, k, v) -> out`` on ``[B, S, H_u, D]``, ``[B, S, Hkv_u, D]``, ``[B, S, Hkv_u, Dv]``
-with ``H_u % Hkv_u == 0``; returns ``[B, S, H_u, Dv]``."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,22 @@ class HeadAssignment:
     def kernel_kv_heads(self) -> int:
         """K/V heads the inner kernel sees (after any expansion)."""
         return self.kv_len if self.kv_index is None else len(self.kv_index)
+
+    def q_heads(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's query heads of a replicated tensor with all ``H`` heads along ``dim``."""
+        return x.narrow(dim, self.q_start, self.q_len)
+
+    def kv_heads(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's K/V heads (expanded like the received ones) of a replicated ``Hkv`` tensor."""
+        x = x.narrow(dim, self.kv_start, self.kv_len)
+        if self.kv_index is not None:
+            x = x.index_select(dim, torch.tensor(self.kv_index, dtype=torch.long, device=x.device))
+        return x
+
+
+InnerAttention = Callable[[Tensor, Tensor, Tensor, HeadAssignment], Tensor]
+"""``inner(q, k, v, heads) -> out`` on ``[B, S, H_u, D]``, ``[B, S, Hkv_u, D]``, ``[B, S, Hkv_u, Dv]``
+with ``H_u % Hkv_u == 0`` and this rank's :class:`HeadAssignment`; returns ``[B, S, H_u, Dv]``."""
 
 
 def head_assignments(num_heads: int, num_kv_heads: int, world: int) -> list[HeadAssignment]:
@@ -118,6 +134,64 @@ def head_assignments(num_heads: int, num_kv_heads: int, world: int) -> list[Head
     return out
 
 
+def _exchange_qkv(
+    q: Tensor, k: Tensor, v: Tensor, group: Group, plan: list[HeadAssignment], gather_sizes: list[int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One fused all-to-all: heads scattered per ``plan``, tokens gathered."""
+    q_ranges = [(a.q_start, a.q_len) for a in plan]
+    kv_ranges = [(a.kv_start, a.kv_len) for a in plan]
+    if v.shape[-1] == q.shape[-1]:
+        q_u, k_u, v_u = all_to_all_many(
+            [q, k, v], group, scatter_dim=2, gather_dim=1, gather_size=gather_sizes,
+            scatter_ranges=[q_ranges, kv_ranges, kv_ranges],
+        )
+        return q_u, k_u, v_u
+    # v's head dim differs: scatter over the flattened (heads, head_dim) axis instead.
+    D, Dv = q.shape[-1], v.shape[-1]
+
+    def scale(ranges: list[tuple[int, int]], d: int) -> list[tuple[int, int]]:
+        return [(a * d, n * d) for a, n in ranges]
+
+    q_u, k_u, v_u = all_to_all_many(
+        [q.flatten(2), k.flatten(2), v.flatten(2)], group, scatter_dim=2, gather_dim=1,
+        gather_size=gather_sizes, scatter_ranges=[scale(q_ranges, D), scale(kv_ranges, D), scale(kv_ranges, Dv)],
+    )
+    return q_u.unflatten(2, (-1, D)), k_u.unflatten(2, (-1, D)), v_u.unflatten(2, (-1, Dv))
+
+
+def all_heads(num_heads: int, num_kv_heads: int) -> HeadAssignment:
+    """The assignment of a group of one rank: every head."""
+    return HeadAssignment(0, num_heads, 0, num_kv_heads, None)
+
+
+def run_ulysses(
+    q: Tensor, k: Tensor, v: Tensor, group: Group, inner: InnerAttention, token_sizes: Sequence[int]
+) -> Tensor:
+    """Trusted Ulysses (inputs validated by the caller): see :func:`ulysses_attention`.
+
+    Args:
+        token_sizes: every rank's local token count, in group rank order.
+    """
+    n = group_size(group)
+    if n == 1:
+        return inner(q, k, v, all_heads(q.shape[2], k.shape[2]))
+    plan = head_assignments(q.shape[2], k.shape[2], n)
+    mine = plan[group_rank(group)]
+    token_sizes = list(token_sizes)
+    q_u, k_u, v_u = _exchange_qkv(q, k, v, group, plan, token_sizes)
+    if mine.q_len == 0:
+        # No heads here: keep every received tensor in the graph so this rank's backward joins
+        # the reverse all-to-all like the others.
+        out = v_u + 0 * (q_u.sum() + k_u.sum())
+    else:
+        if mine.kv_index is not None:
+            index = torch.tensor(mine.kv_index, dtype=torch.long, device=k_u.device)
+            k_u, v_u = k_u.index_select(2, index), v_u.index_select(2, index)
+        out = inner(q_u, k_u, v_u, mine)
+    ranges = list(zip(offsets(token_sizes)[:-1], token_sizes))
+    return all_to_all_many([out], group, scatter_dim=1, gather_dim=2, gather_size=q.shape[2], scatter_ranges=[ranges])[0]
+
+
 def _check_inputs(q: object, k: object, v: object) -> None:
     where = "ulysses_attention"
     check_qkv(q, k, v, ndim=4, shape_doc="[B, S_local, heads, head_dim]", where=where)
@@ -130,52 +204,22 @@ def _check_inputs(q: object, k: object, v: object) -> None:
     check_gqa(H, k.shape[2], where)
 
 
-def _exchange_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: Group,
-    plan: list[HeadAssignment],
-    gather_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One fused all-to-all: heads scattered per ``plan``, tokens gathered."""
-    q_ranges = [(a.q_start, a.q_len) for a in plan]
-    kv_ranges = [(a.kv_start, a.kv_len) for a in plan]
-    if v.shape[-1] == q.shape[-1]:
-        q_u, k_u, v_u = all_to_all_many(
-            [q, k, v], group, scatter_dim=2, gather_dim=1, gather_size=gather_size,
-            scatter_ranges=[q_ranges, kv_ranges, kv_ranges],
-        )
-        return q_u, k_u, v_u
-    # v's head dim differs: scatter over the flattened (heads, head_dim) axis instead.
-    D, Dv = q.shape[-1], v.shape[-1]
-
-    def scale(ranges: list[tuple[int, int]], d: int) -> list[tuple[int, int]]:
-        return [(a * d, n * d) for a, n in ranges]
-
-    q_u, k_u, v_u = all_to_all_many(
-        [q.flatten(2), k.flatten(2), v.flatten(2)], group, scatter_dim=2, gather_dim=1,
-        gather_size=gather_size, scatter_ranges=[scale(q_ranges, D), scale(kv_ranges, D), scale(kv_ranges, Dv)],
-    )
-    return q_u.unflatten(2, (-1, D)), k_u.unflatten(2, (-1, D)), v_u.unflatten(2, (-1, Dv))
-
-
 def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     group: Group,
     inner: InnerAttention,
     *,
     gather_size: int | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Attention over the group's whole sequence, computed per head shard (Ulysses).
 
     Every rank holds a contiguous piece of one sequence (rank ``i`` holds piece ``i`` of
-    ``split_sizes(S, U)``). The heads are redistributed per Note [Ulysses head placement] with
-    one fused all-to-all, ``inner`` runs on all ``S`` tokens of this rank's heads, and a second
-    all-to-all returns the output to the token shards. Differentiable; with ``U == 1`` it is
-    ``inner(q, k, v)``.
+    ``split_sizes(S, U)``, or any sizes with ``gather_size=None``). The heads are redistributed
+    per Note [Ulysses head placement] with one fused all-to-all, ``inner`` runs on all ``S``
+    tokens of this rank's heads, and a second all-to-all returns the output to the token shards.
+    Differentiable; with ``U == 1`` it is ``inner(q, k, v, all heads)``.
 
     Args:
         q: ``(batch, seqlen_local, nheads, headdim)``, this rank's tokens of every head.
@@ -183,10 +227,11 @@ def ulysses_attention(
         v: ``(batch, seqlen_local, nheads_kv, headdim_v)``.
         group: the Ulysses process group (``U`` ranks).
         inner: attention on the gathered sequence, see :data:`InnerAttention`; it is called
-            with ``(batch, S, H_u, headdim)`` queries and a uniform GQA ratio, and not at all on
-            a rank with no query head (``H < U``) -- all ranks sharing a Ulysses rank index skip
-            it together, so an inner ring over them stays in step.
-        gather_size: ``S``, the total tokens over the group; rank ``i`` must hold
+            with ``(batch, S, H_u, headdim)`` queries, a uniform GQA ratio and this rank's
+            :class:`HeadAssignment`, and not at all on a rank with no query head (``H < U``) --
+            all ranks sharing a Ulysses rank index skip it together, so an inner ring over them
+            stays in step.
+        gather_size: ``S``, the total tokens over the group; rank ``i`` must then hold
             ``split_sizes(S, U)[i]``. ``None`` exchanges the lengths (one small collective).
 
     Returns:
@@ -201,19 +246,14 @@ def ulysses_attention(
     """
     _check_inputs(q, k, v)
     check_group(group, "ulysses_attention")
-    n = group_size(group)
-    if n == 1:
-        return inner(q, k, v)
-    plan = head_assignments(q.shape[2], k.shape[2], n)
-    mine = plan[group_rank(group)]
-    q_u, k_u, v_u = _exchange_qkv(q, k, v, group, plan, gather_size)
-    if mine.q_len == 0:
-        # No heads here: keep every received tensor in the graph so this rank's backward joins
-        # the reverse all-to-all like the others.
-        out = v_u + 0 * (q_u.sum() + k_u.sum())
+    n, me = group_size(group), group_rank(group)
+    if gather_size is None:
+        sizes = [row[0] for row in exchange_ints([q.shape[1]], group, q.device)] if n > 1 else [q.shape[1]]
     else:
-        if mine.kv_index is not None:
-            index = torch.tensor(mine.kv_index, dtype=torch.long, device=k_u.device)
-            k_u, v_u = k_u.index_select(2, index), v_u.index_select(2, index)
-        out = inner(q_u, k_u, v_u)
-    return all_to_all(out, group, scatter_dim=1, gather_dim=2, gather_size=q.shape[2])
+        sizes = split_sizes(gather_size, n)
+        if sizes[me] != q.shape[1]:
+            raise ValueError(
+                f"ulysses_attention: gather_size={gather_size} over {n} ranks gives rank {me} "
+                f"{sizes[me]} tokens (split {sizes}), but q has {q.shape[1]}"
+            )
+    return run_ulysses(q, k, v, group, inner, sizes)

@@ -1,0 +1,125 @@
+"""Queries replicated on every CP rank (the text tokens of joint attention) over sharded keys.
+
+Note [Replicated tokens]
+~~~~~~~~~~~~~~~~~~~~~~~~
+In joint text+image attention (Flux, SD3, HunyuanVideo) the ``P`` text tokens are the same on
+every CP rank and the image tokens are sharded. Attention is non-causal, so:
+
+- *image queries* attend the image keys of all ranks (Ulysses/ring, as usual) plus the text keys,
+  which every rank has: the text K/V join the ring as local extra keys (``ring_attention``'s
+  ``extra_k``/``extra_v``, sliced to the rank's heads under Ulysses) and never travel;
+- *text queries* attend the text keys (the same block on every rank) and the image keys of every
+  rank. Each rank computes the text queries against its own image shard only (all heads, before
+  any all-to-all: work is split evenly) and the partial results are merged across the CP group by
+  their LSE: one all-reduce (max) of the ``[B, H, P]`` LSE and one all-reduce (sum) of the
+  weighted ``[B, P, H, D]`` outputs. The text-text block, identical everywhere, is merged after.
+
+Gradients follow the partial rule: the incoming text-output gradient on each rank is that rank's
+share. The text-text block's backward uses it as is (its gradients are shares too, summing to the
+true ones over the group); the image block's backward needs the *whole* gradient, because the
+image keys it differentiates live on this rank only, so the shares are summed over the group (one
+all-reduce of ``[B, P, H, D]``). Its dq is then this rank's keys' part of the text queries'
+gradient, again a share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..backends.base import KernelBackend, empty_forward
+from ..comm import Group, reduce_, refuse_double_backward
+from .merge import accumulator_dtype, add_sinks, merge, sinks_grad
+
+__all__ = ["ReplicatedRun", "replicated_query_attention"]
+
+
+@dataclass(frozen=True, eq=False)
+class ReplicatedRun:
+    """The CP group, backend and scalar options of one call."""
+
+    group: Group
+    backend: KernelBackend
+    scale: float
+    softcap: float
+
+
+def _block(run: ReplicatedRun, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return empty_forward(q, (q.shape[0], q.shape[2], q.shape[1]))
+    return run.backend.kernel_forward(q, k, v, scale=run.scale, window=(-1, -1), softcap=run.softcap)
+
+
+def _block_backward(run: ReplicatedRun, dout, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return run.backend.kernel_backward(
+        dout, q, k, v, out, lse, scale=run.scale, window=(-1, -1), softcap=run.softcap
+    )
+
+
+def _merge_over_group(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, Tensor]:
+    """LSE-merge ``(out [B, P, H, D], lse [B, H, P])`` of every rank of ``group``."""
+    acc = accumulator_dtype(out.dtype)
+    lse = lse.to(acc)
+    top = reduce_(lse.clone(), group, "max")
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    weight = torch.exp(lse - top)  # [B, H, P]
+    flat = torch.cat([(out.to(acc) * weight.transpose(1, 2).unsqueeze(-1)).flatten(), weight.flatten()])
+    reduce_(flat, group, "sum")
+    total = flat[out.numel():].view_as(weight)
+    merged = flat[: out.numel()].view(out.shape) / total.clamp(min=torch.finfo(acc).tiny).transpose(1, 2).unsqueeze(-1)
+    return merged, top + torch.log(total)
+
+
+class _ReplicatedQueries(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_rep, v_rep, k_loc, v_loc, sinks, run):
+        out_t, lse_t = _block(run, q, k_rep, v_rep)  # the same on every rank
+        out_l, lse_l = _block(run, q, k_loc, v_loc)  # this rank's image shard
+        out_l, lse_l = _merge_over_group(out_l, lse_l, run.group)
+        out, lse = merge(out_t, lse_t, out_l, lse_l)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse)
+        ctx.run = run
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        refuse_double_backward("seqpar attention of replicated tokens")
+        q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse = ctx.saved_tensors
+        run = ctx.run
+        dq_t, dk_rep, dv_rep = _block_backward(run, dout, q, k_rep, v_rep, out, lse)
+        # A fresh buffer: the all-reduce is in place and dout is still needed as this rank's share.
+        whole = dout.to(accumulator_dtype(dout.dtype), memory_format=torch.contiguous_format, copy=True)
+        whole = reduce_(whole, run.group, "sum").to(dout.dtype)
+        dq_l, dk_loc, dv_loc = _block_backward(run, whole, q, k_loc, v_loc, out, lse)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+        grads = (dq_t + dq_l, dk_rep, dv_rep, dk_loc, dv_loc, dsinks)
+        # No gradient for run.
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
+
+
+def replicated_query_attention(
+    q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor, run: ReplicatedRun, *,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Attention of replicated queries over replicated keys and every rank's key shard.
+
+    Trusted entry (see Note [Replicated tokens]); collective over ``run.group``.
+
+    Args:
+        q: ``(batch, P, nheads, headdim)``, the same on every rank.
+        k_rep, v_rep: ``(batch, P_k, nheads_kv, headdim)``, the same on every rank.
+        k_loc, v_loc: ``(batch, S_local, nheads_kv, headdim)``, this rank's shard of the others.
+        run: group, backend, scale, softcap.
+        sinks: ``(nheads,)`` sink logits or None.
+
+    Returns:
+        ``(batch, P, nheads, headdim)`` in q's dtype, the same on every rank.
+    """
+    return _ReplicatedQueries.apply(q, k_rep, v_rep, k_loc, v_loc, sinks, run)
