@@ -1,4 +1,9 @@
-"""transformers integration: a Llama model with attn_implementation="seqpar" on sequence shards."""
+"""transformers integration: models with attn_implementation="seqpar" on sequence shards.
+
+Llama and BERT (plain causal / bidirectional), then the families of ``seqpar.models.hf_configs``
+(sliding windows, chunks, softcapping, sinks), each against the single-device model; then masks
+seqpar must refuse rather than compute.
+"""
 
 import subprocess
 import sys
@@ -14,9 +19,16 @@ pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from seqpar import ParallelState, shard, shard_positions  # noqa: E402
-from seqpar.integrations.transformers import register  # noqa: E402
+from seqpar.integrations.transformers import (  # noqa: E402
+    RecognisedMask,
+    attention_forward,
+    recognise_mask_function,
+    register,
+)
 from seqpar.models import tiny_llama_config  # noqa: E402
-from seqpar.training import shift_labels, sharded_cross_entropy  # noqa: E402
+from seqpar.models.hf_configs import HF_FAMILIES, causal_lm_class, tiny_hf_config  # noqa: E402
+from seqpar.placement import Mask  # noqa: E402
+from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
 VOCAB = 97
 
@@ -80,32 +92,99 @@ def test_llama_matches_single_device(pools, ring, ulysses):
             assert r["loss"] < 1e-5, r
 
 
-def _bert_case(ring, ulysses):
-    """A bidirectional encoder (module.is_causal False) in eval mode."""
-    from transformers import BertConfig, BertModel
+def _encoder_cases(ring, ulysses):
+    """Bidirectional encoders in eval mode: BERT (module.is_causal False) and ModernBERT (sliding
+    layers with a bidirectional window of 4 keys each side, global layers)."""
+    from transformers import BertConfig, BertModel, ModernBertConfig, ModernBertModel
 
     state = ParallelState(ring, ulysses)
-
-    def cfg():
-        return BertConfig(
+    name = register(state, name=f"seqpar-test-enc-{ring}x{ulysses}")
+    configs = {
+        "bert": (BertModel, lambda: BertConfig(
             vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-        )
+        )),
+        "modernbert": (ModernBertModel, lambda: ModernBertConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            local_attention=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.1,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        )),
+    }
+    out = {}
+    for family, (cls, cfg) in configs.items():
+        torch.manual_seed(0)
+        ref = cls._from_config(cfg(), attn_implementation="sdpa").eval()
+        model = cls._from_config(cfg(), attn_implementation=name).eval()
+        model.load_state_dict(ref.state_dict())
+        ids = torch.randint(3, 50, (2, 23), generator=torch.Generator().manual_seed(1))
+        want = ref(input_ids=ids).last_hidden_state
+        local = shard(ids, state)
+        extra = {"token_type_ids": torch.zeros_like(local)} if family == "bert" else {}
+        got = model(input_ids=local, position_ids=shard_positions(23, state)[None], **extra).last_hidden_state
+        out[family] = (got - shard(want, state)).abs().max().item()
+    return out
 
-    torch.manual_seed(0)
-    ref = BertModel._from_config(cfg(), attn_implementation="sdpa").eval()
-    model = BertModel._from_config(cfg(), attn_implementation=register(state, name="seqpar-test-bert")).eval()
-    model.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 50, (2, 23), generator=torch.Generator().manual_seed(1))
-    want = ref(input_ids=ids).last_hidden_state
-    local = shard(ids, state)
-    got = model(
-        input_ids=local, position_ids=shard_positions(23, state)[None], token_type_ids=torch.zeros_like(local)
-    ).last_hidden_state
-    return (got - shard(want, state)).abs().max().item()
+
+@pytest.mark.parametrize("ring,ulysses", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
+def test_bidirectional_encoders_match(pools, ring, ulysses):
+    for per_family in pools(ring * ulysses).run(_encoder_cases, ring, ulysses):
+        for family, err in per_family.items():
+            assert err < 2e-5, (family, err)
 
 
-def test_bidirectional_encoder_matches(pools):
-    assert max(pools(4).run(_bert_case, 2, 2)) < 2e-5
+# --- families with windows, chunks, softcapping and sinks (seqpar.models.hf_configs) ---------------
+
+# Single-device reference implementation: eager where transformers' sdpa refuses (softcap, sinks).
+_REFERENCE = {"gemma2": "eager", "gpt_oss": "eager"}
+# Odd lengths, several windows / chunks (8) long.
+_SEQ_LENS = (37, 45)
+
+
+def _flat_grad(loss, params):
+    grads = torch.autograd.grad(loss, params, allow_unused=True)  # unrouted experts get None
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+
+
+def _family_cases(ring, ulysses, families, seq_lens):
+    """Max logits / summed-gradient / loss errors per family against the single-device model."""
+    state = ParallelState(ring, ulysses)
+    name = register(state, name=f"seqpar-test-{ring}x{ulysses}")
+    out = {}
+    for family in families:
+        cls = causal_lm_class(family)
+        torch.manual_seed(0)
+        ref = cls._from_config(tiny_hf_config(family), attn_implementation=_REFERENCE.get(family, "sdpa"))
+        model = cls._from_config(tiny_hf_config(family), attn_implementation=name)
+        model.load_state_dict(ref.state_dict())
+        ref.eval()  # Phi-MoE samples its routing in training mode
+        model.eval()
+        errors = {"logits": 0.0, "grad": 0.0, "loss": 0.0}
+        for seq_len in seq_lens:
+            ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+            labels = shift_labels(ids)
+            ref_logits = ref(input_ids=ids).logits
+            ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+            ref_grad = _flat_grad(ref_loss, list(ref.parameters()))
+
+            positions = shard_positions(seq_len, state)[None]
+            logits = model(input_ids=shard(ids, state), position_ids=positions).logits
+            share = sharded_cross_entropy(logits, shard(labels, state), state)
+            grad = _flat_grad(share, list(model.parameters()))
+            dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the true one
+            loss = share.detach().clone()
+            dist.all_reduce(loss, group=state.cp_group)
+            errors["logits"] = max(errors["logits"], (logits - shard(ref_logits, state)).abs().max().item())
+            errors["grad"] = max(errors["grad"], (grad - ref_grad).abs().max().item())
+            errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()))
+        out[family] = errors
+    return out
+
+
+@pytest.mark.parametrize("ring,ulysses", [(2, 2), (1, 4), (3, 1)], ids=["2x2", "1x4", "3x1"])
+def test_families_match_single_device(pools, ring, ulysses):
+    per_rank = pools(ring * ulysses).run(_family_cases, ring, ulysses, HF_FAMILIES, _SEQ_LENS)
+    for rank, families in enumerate(per_rank):
+        for family, err in families.items():
+            assert err["logits"] < 2e-4 and err["grad"] < 2e-4 and err["loss"] < 1e-5, (rank, family, err)
 
 
 def _missing_positions(ring, ulysses):
@@ -127,6 +206,25 @@ def test_missing_position_ids_raise(pools):
     (r0_default, r0_right), (r1_default, r1_right) = pools(2).run(_missing_positions, 1, 2)
     assert r0_default is None and r0_right is None and r1_right is None
     assert "shard_positions" in r1_default
+
+
+def _temperature_tuning_refused(ring, ulysses):
+    """Llama 4 NoPE layers with floor_scale below the sequence length: refused on every rank."""
+    state = ParallelState(ring, ulysses)
+    model = causal_lm_class("llama4")._from_config(
+        tiny_hf_config("llama4", floor_scale=4), attn_implementation=register(state, name="seqpar-test-l4")
+    )
+    try:
+        ids = shard(torch.randint(0, VOCAB, (1, 37)), state)
+        model(input_ids=ids, position_ids=shard_positions(37, state)[None])
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_llama4_temperature_tuning_beyond_floor_scale_refused(pools):
+    for msg in pools(2).run(_temperature_tuning_refused, 2, 1):
+        assert msg is not None and "attn_temperature_tuning" in msg and "floor_scale=4" in msg
 
 
 # --- single process (size-1 state) -------------------------------------------------------------
@@ -172,6 +270,9 @@ def test_restarting_positions_raise(single):
     ids = torch.randint(0, VOCAB, (1, 6))
     with pytest.raises(ValueError, match="position_ids"):
         model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    # Increasing but with a gap: transformers would take two packed sequences, seqpar one.
+    with pytest.raises(ValueError, match="position_ids"):
+        model(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 10, 11, 12]]))
 
 
 def test_kv_cache_decoding_raises(single):
@@ -191,6 +292,160 @@ def test_dropout_raises():
     model.train()
     with pytest.raises(NotImplementedError, match="attention dropout 0.1"):
         model(input_ids=torch.randint(0, VOCAB, (1, 5)))
+
+
+# --- recognising transformers' mask functions (single process) ---------------------------------
+
+
+def _transformers_masks():
+    from transformers import masking_utils as mu
+    from transformers.models.gemma3.modeling_gemma3 import _bidirectional_window_overlay
+
+    no_padding = torch.zeros(2, dtype=torch.long)
+    return [
+        # (mask function, local_size, use_vmap, expected Mask)
+        (mu.causal_mask_function, None, False, Mask(True)),
+        (mu.bidirectional_mask_function, None, False, Mask(False)),
+        (mu.sliding_window_causal_mask_function(5), 5, False, Mask(True, (4, -1))),
+        (mu.sliding_window_bidirectional_mask_function(5), 5, False, Mask(False, (5, 5))),
+        (mu.chunked_causal_mask_function(6, no_padding), 6, False, Mask(True, chunk_size=6)),
+        # Gemma 3 with use_bidirectional_attention: causal window OR |q - k| < W, evaluated with vmap.
+        (mu.or_masks(mu.sliding_window_causal_mask_function(5), _bidirectional_window_overlay(5)), 5, True,
+         Mask(False, (4, 4))),
+        (mu.or_masks(mu.causal_mask_function, lambda *args: torch.tensor(True)), None, True, Mask(False)),
+    ]
+
+
+def test_transformers_mask_functions_recognised():
+    from transformers import masking_utils as mu
+
+    for fn, hint, use_vmap, want in _transformers_masks():
+        for grid in (64, 301):  # positions beyond the window/chunk, odd and several chunks long
+            got = recognise_mask_function(fn, batch_size=2, grid=grid, hint=hint, use_vmap=use_vmap)
+            assert got == want, (fn, grid, got, want)
+            # Every (query, key) pair of the grid agrees with the recognised mask.
+            full = mu.sdpa_mask(
+                1, grid, grid, mask_function=fn, allow_is_causal_skip=False, use_vmap=use_vmap
+            )
+            pos = torch.arange(grid)
+            assert torch.equal(full[0, 0], got.allows(pos, pos)), (fn, grid)
+
+
+def test_packed_sequence_wrapper_unwrapped():
+    from transformers import masking_utils as mu
+
+    from seqpar.integrations.transformers import _unwrap_packing
+
+    base = mu.sliding_window_causal_mask_function(5)
+    positions = torch.tensor([[0, 1, 2, 7, 8]])  # ring rank 0 of S = 9 over R = 2: jumps
+    runs = mu.find_packed_sequence_indices(positions)
+    wrapped = mu.packed_sequence_compatibility_function(base, positions, runs)
+    got, got_positions = _unwrap_packing(wrapped)
+    assert got is base and got_positions is positions
+    got, got_positions = _unwrap_packing(base)
+    assert got is base and got_positions is None
+
+
+def test_unrecognised_mask_functions_refused():
+    from transformers import masking_utils as mu
+
+    cases = {
+        "streaming sink token": mu.or_masks(
+            mu.sliding_window_causal_mask_function(4), lambda b, h, q, k: k == 0
+        ),
+        "global first query": mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q == 0),
+        "dilated": mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: (q - k) % 2 == 0),
+        "no diagonal": lambda b, h, q, k: k < q,
+        # Block (image) ids sized to the 20 local tokens cannot be read at global positions.
+        "block ids": mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.full((2, 20), -1))),
+    }
+    for what, fn in cases.items():
+        with pytest.raises(NotImplementedError, match="seqpar attention: transformers' mask function"):
+            recognise_mask_function(fn, batch_size=2, grid=64, use_vmap=what != "no diagonal")
+    # Different patterns in different batch rows (per-sample masks).
+    per_row = mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: b == 1)
+    with pytest.raises(NotImplementedError, match="differs between batch rows"):
+        recognise_mask_function(per_row, batch_size=2, grid=64, use_vmap=True)
+
+
+def test_model_with_custom_or_padding_mask_raises():
+    from transformers.masking_utils import create_causal_mask
+
+    config = tiny_hf_config("mistral", sliding_window=None)
+    config._attn_implementation = register(ParallelState(), name="seqpar-test-custom")
+    embeds = torch.zeros(2, 11, 32)
+    assert create_causal_mask(config, embeds, None, None) == RecognisedMask(Mask(True), 11)
+    with pytest.raises(NotImplementedError, match="not a causal, bidirectional"):
+        create_causal_mask(config, embeds, None, None, or_mask_function=lambda b, h, q, k: q == 0)
+    image = torch.full((2, 11), -1)
+    image[:, 3:6] = 0  # tokens 3..5 attend each other bidirectionally
+    with pytest.raises(NotImplementedError, match="seqpar attention: transformers' mask function"):
+        create_causal_mask(config, embeds, None, None, block_sequence_ids=image)
+    pad = torch.ones(2, 11, dtype=torch.long)
+    pad[1, :2] = 0
+    with pytest.raises(ValueError, match="padding masks are not supported"):
+        create_causal_mask(config, embeds, pad, None)
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def test_mask_and_kwargs_that_disagree_raise():
+    qkv = [torch.randn(1, h, 9, 8) for h in (4, 2, 2)]
+    state = ParallelState()
+    window = RecognisedMask(Mask(True, (7, -1)), 9)
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        attention_forward(_Attn(), *qkv, window, state=state, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window=None"):
+        attention_forward(_Attn(), *qkv, window, state=state, sliding_window=None)
+    with pytest.raises(ValueError, match="is_causal=False"):
+        attention_forward(_Attn(), *qkv, RecognisedMask(Mask(True), 9), is_causal=False, state=state)
+    tril = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    with pytest.raises(ValueError, match="sliding window"):
+        attention_forward(_Attn(), *qkv, tril, state=state, sliding_window=4)
+    # Agreeing: a window of 8 keys is window (7, 0); softcap and sinks pass through.
+    out, _ = attention_forward(_Attn(), *qkv, window, state=state, sliding_window=8, softcap=3.0,
+                               s_aux=torch.zeros(4))
+    assert out.shape == (1, 9, 4, 8)
+
+
+def test_tiny_families_exercise_their_features():
+    """Turning a family's window / chunk / softcap / bidirectionality off changes its logits, so
+    test_families_match_single_device compares something."""
+    off = {
+        "mistral": [dict(sliding_window=None)],
+        "qwen2": [dict(use_sliding_window=False)],
+        "qwen2_moe": [dict(use_sliding_window=False)],
+        "gemma2": [
+            dict(sliding_window=4096), dict(attn_logit_softcapping=None), dict(final_logit_softcapping=None)
+        ],
+        "gemma3": [dict(sliding_window=4096)],
+        "gemma3_bidirectional": [dict(sliding_window=4096), dict(use_bidirectional_attention=False)],
+        "gpt_oss": [dict(sliding_window=4096)],
+        "phimoe": [dict(sliding_window=None)],
+        "llama4": [dict(attention_chunk_size=4096)],
+    }
+    assert set(off) == set(HF_FAMILIES)
+    ids = torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(0))
+
+    def logits(family, **overrides):
+        torch.manual_seed(0)
+        impl = _REFERENCE.get(family, "sdpa")
+        config = tiny_hf_config(family, **overrides)
+        model = causal_lm_class(family)._from_config(config, attn_implementation=impl)
+        return model.eval(), model(input_ids=ids).logits
+
+    for family, variants in off.items():
+        model, want = logits(family)
+        for overrides in variants:
+            assert (logits(family, **overrides)[1] - want).abs().max() > 1e-3, (family, overrides)
+        if family == "gpt_oss":  # the sinks matter too
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.add_(3.0)
+            assert (model(input_ids=ids).logits - want).abs().max() > 1e-3
 
 
 def test_register_rejects_builtin_names_and_bad_state():

@@ -16,38 +16,108 @@ transformers (checked against 5.23) calls the registered attention function per 
 ``fn(module, query, key, value, attention_mask, dropout=, scaling=, **kwargs)`` with query
 ``[B, H, S, D]``, key/value ``[B, Hkv, S, D]`` (GQA is *not* expanded; ``module.num_key_value_groups
 = H // Hkv``), and expects ``([B, S, H, D], attn_weights_or_None)`` back. ``is_causal`` arrives as a
-kwarg or as ``module.is_causal``; ``position_ids`` arrives in ``kwargs``.
+kwarg or as ``module.is_causal``; most models pass ``position_ids`` in ``kwargs`` (Llama 4 does not,
+so its positions are checked only where transformers' packing wrapper, below, carries them).
+Score modifiers arrive as kwargs: ``sliding_window=W`` (Mistral, Qwen2, Gemma 2/3, gpt-oss; also
+``module.sliding_window`` on Qwen2-MoE's sliding layers), ``softcap`` (Gemma 2's
+``attn_logit_softcapping``) and ``s_aux`` (gpt-oss sinks, a ``[H]`` parameter). Phi-MoE and Llama 4
+pass no window or chunk kwarg: their sliding or chunked layers are known from the mask only.
 
-The model builds its mask with ``create_causal_mask``/``create_bidirectional_mask``, which look up
-the mask function registered under the same name in ``AttentionMaskInterface``. Without one, a
-custom implementation gets no mask at all -- a padding mask would be dropped silently -- and with
-the ``sdpa`` one, the zig-zag ``position_ids`` of a shard (which jump between chunks) would be taken
-for packed sequences and produce a block mask. :func:`register` therefore also registers a mask
-function that builds nothing: it returns ``None`` (attention is then causal or not according to
-``is_causal``, over the global sequence), accepts an all-ones 2-D mask, and rejects padding and
-custom mask patterns. A 4-D mask passed in by the caller reaches the attention function as is: the
-plain causal pattern (bool lower triangle, or additive ``0``/``-inf``) of a shard is read as
-``causal=True``, an all-attend mask as ``causal=False``; any other mask is rejected.
+The model builds its masks with ``create_causal_mask`` / ``create_sliding_window_causal_mask`` /
+``create_chunked_causal_mask`` / ``create_bidirectional_mask``, which call the mask function
+registered under the same name in ``AttentionMaskInterface`` with a ``mask_function(batch_idx,
+head_idx, q_idx, kv_idx) -> bool`` describing the pattern, and hand its return value to every layer
+of that type as ``attention_mask``. :func:`mask_function` recognises that pattern on global
+positions (Note [Recognising transformers masks]) and returns a :class:`RecognisedMask`; the
+attention function runs ``seqpar.attention`` with that mask, the softcap and the sinks, after
+checking that the kwargs agree with it. transformers' conventions, which seqpar follows exactly:
+
+- ``sliding_window=W`` (``sliding_window_overlay``: ``kv_idx > q_idx - W``): a query sees itself
+  and the ``W - 1`` keys before it, seqpar ``window=(W - 1, 0)`` with ``causal=True``. flash-attn's
+  integration passes ``window_size=(W - 1, W - 1)``, so a non-causal layer with ``sliding_window=W``
+  means ``window=(W - 1, W - 1)`` (Gemma 3's bidirectional overlay, ``|q - k| < W``); transformers'
+  ``sliding_window_bidirectional_overlay`` (``|q - k| <= W``) is ``(W, W)`` and disagrees with it.
+- ``attention_chunk_size=C`` (``chunked_overlay``): ``q // C == k // C``, seqpar ``chunk_size=C``.
+- ``softcap=c``: ``c * tanh(s / c)`` of the scaled scores; ``s_aux``: sink logits per query head.
+
+Two things transformers derives from the shard's own tokens are undone or refused here:
+
+- zig-zag ``position_ids`` jump between chunks, so transformers takes them for packed sequences and
+  wraps the mask function to keep tokens within one run of consecutive positions. The mask function
+  unwraps exactly that wrapper (after checking that the positions are this rank's
+  ``shard_positions``): the runs are pieces of one global sequence;
+- Llama 4 scales the queries of its NoPE layers by ``torch.arange`` over the *local* tokens
+  (``attn_temperature_tuning``). That equals the global positions' scale only while every position
+  is below ``floor_scale - 1``; longer sequences are refused. Each rank decides from its own length,
+  without communication, from the bound ``S < cp_size * (S_local + 2)``, so a sequence less than
+  about ``2 * cp_size`` tokens shorter than ``floor_scale`` may be refused on some ranks too.
+
+A 4-D mask passed in by the caller skips the mask function and reaches the attention function as
+is: the plain causal pattern (bool lower triangle, or additive ``0``/``-inf``) of a shard is read as
+``causal=True``, an all-attend mask as ``causal=False``; any other mask is rejected. Padding masks,
+dropout, KV caches, position biases and packed-batch kwargs are refused.
+
+The global length is not known to a rank without communication (Note [Global length] in
+``seqpar.attention``), so every layer passes ``seq_len=None`` when ``cp_size > 1`` and
+``seqpar.attention`` exchanges a few ints per call; nothing here adds a collective.
 
 Registration is global to the process (transformers keeps one class-level mapping); each call to
 :func:`register` binds one ``ParallelState`` to one name.
+
+Note [Recognising transformers masks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The mask function transformers passes is a Python callable, built from ``causal_mask_function``,
+``bidirectional_mask_function``, the sliding-window and chunk overlays, ``and_masks``/``or_masks``
+and any model-specific overlay. Instead of naming the pieces, :func:`recognise_mask_function`
+evaluates the callable (with transformers' own ``sdpa_mask``, so ``use_vmap`` callables get vmap
+semantics) on *global* positions ``0 .. L-1`` -- every key, for a few query rows: the first 8
+positions, the last 2, 8 evenly spaced ones, and the three around each of the first three
+multiples of ``local_size`` (the window or chunk size transformers passes along). ``L`` covers the
+whole global sequence (``S < cp_size * (S_local + 2)`` for the placement of Note [Sharding
+placement]) and at least ``2 * local_size + 2`` positions, so a window or chunk edge is always
+inside it; with ``cp_size == 1``, ``L = S``. Every row must be one run of keys containing the
+query itself; the window sides are read off the runs, the chunk size is ``local_size`` or the gcd
+of the runs' starts, and a candidate ``Mask(causal, window, chunk_size)`` is accepted only if
+``Mask.allows`` gives every probed row exactly the observed run. Anything else raises
+``NotImplementedError``: masks that depend on token data (image or block ids, padding, packing
+not made by transformers from zig-zag positions) index tensors sized to the shard and cannot be
+evaluated on global positions; other patterns (global tokens, dilation) are no window or chunk.
+
+The evaluation runs on the host under :class:`_OnHost` (tensors the callable holds are copied to
+the CPU, so an out-of-range index raises instead of asserting on a device), once per mask type
+and forward -- about ``20 * L`` mask entries, some milliseconds at ``L = 10**5`` -- and the
+attention layers only read the result. Recognition is exact for transformers' own mask functions
+(their parameters are identified, then checked on the probed rows); a custom pattern that agrees
+with a window or chunk mask on every probed row but not elsewhere would be missed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
+from ..placement import Mask, Placement
 from ..state import ParallelState
 
-__all__ = ["register", "attention_forward", "mask_function"]
+__all__ = ["RecognisedMask", "attention_forward", "mask_function", "recognise_mask_function", "register"]
 
 # Names that transformers itself provides; registering over them would change every model.
 _BUILTIN = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
-# Attention-modifying kwargs some models pass; seqpar computes plain softmax attention only.
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
+# Kwargs that change attention in ways seqpar does not compute on dense shards.
+_UNSUPPORTED_KWARGS = {
+    "position_bias": "position biases (T5-style relative attention)",
+    "cu_seq_lens_q": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
+    "cu_seq_lens_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
+    "max_length_q": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
+    "max_length_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
+}
+_ABSENT = object()
 
 
 def _interfaces():
@@ -60,6 +130,197 @@ def _interfaces():
             f"AttentionMaskInterface); install seqpar[hf] ({e})"
         ) from e
     return AttentionInterface, AttentionMaskInterface
+
+
+@dataclass(frozen=True)
+class RecognisedMask:
+    """What :func:`mask_function` hands transformers, and transformers hands every layer.
+
+    Attributes:
+        mask: the pattern in global positions, normalised for ``grid`` positions.
+        grid: how many global positions were probed (at least the global sequence length).
+    """
+
+    mask: Mask
+    grid: int
+
+
+# --- recognising a transformers mask function (Note [Recognising transformers masks]) -----------
+
+
+def _to_host(x: object) -> object:
+    if isinstance(x, Tensor):
+        return x.cpu() if x.device.type != "cpu" else x
+    if isinstance(x, (list, tuple)) and any(isinstance(v, (Tensor, list, tuple)) for v in x):
+        items = [_to_host(v) for v in x]
+        return items if isinstance(x, list) else tuple(items)
+    return x
+
+
+class _OnHost(TorchFunctionMode):
+    """Run every torch call on CPU copies of its tensor arguments (indices, masks, ids)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*_to_host(tuple(args)), **{k: _to_host(v) for k, v in (kwargs or {}).items()})
+
+
+def _closure(fn: object) -> dict[str, object]:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return {} if code is None else {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+
+
+def _is_transformers(fn: object, qualname: str) -> bool:
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return module == "transformers.masking_utils" and name == qualname
+
+
+def _unwrap_packing(fn: Callable) -> tuple[Callable, Tensor | None]:
+    """``(base, position_ids)`` if ``fn`` is transformers' packed-sequence wrapper of ``base``.
+
+    ``packed_sequence_compatibility_function(base, position_ids, runs)`` is ``and_masks(
+    packed_sequence_mask_function(runs), remap_positions_for_packed_sequence(base, position_ids))``;
+    anything else is returned as ``(fn, None)``.
+    """
+    if not _is_transformers(fn, "and_masks.<locals>.and_mask"):
+        return fn, None
+    parts = _closure(fn).get("mask_functions")
+    if (
+        isinstance(parts, tuple)
+        and len(parts) == 2
+        and _is_transformers(parts[0], "packed_sequence_mask_function.<locals>.inner_mask")
+        and _is_transformers(parts[1], "remap_positions_for_packed_sequence.<locals>.inner_mask")
+    ):
+        inner = _closure(parts[1])
+        if callable(inner.get("mask_function")) and isinstance(inner.get("position_ids"), Tensor):
+            return inner["mask_function"], inner["position_ids"]
+    return fn, None
+
+
+def _probe_rows(grid: int, hint: int | None) -> Tensor:
+    """Sorted query positions in ``[0, grid)`` to evaluate (Note [Recognising transformers masks])."""
+    rows = [torch.arange(8), grid - 1 - torch.arange(2), torch.linspace(0, grid - 1, 8).long()]
+    if hint is not None and hint > 0:
+        rows.append((torch.arange(1, 4)[:, None] * hint + torch.arange(-1, 2)).flatten())
+    q = torch.cat(rows)
+    return torch.unique(q[(q >= 0) & (q < grid)])
+
+
+def _evaluate(fn: Callable, batch_size: int, rows: Tensor, grid: int, use_vmap: bool):
+    """Yield ``(block, mask)``: ``fn`` at query positions ``block`` (a piece of ``rows``) and keys
+    ``0..grid-1``, as bool ``[batch, len(block), grid]``, in blocks of at most 2**24 entries."""
+    from transformers.masking_utils import sdpa_mask
+
+    per_block = max(1, min(8, 2**24 // (batch_size * grid)))
+    breaks = (torch.nonzero(rows.diff() != 1).flatten() + 1).tolist()
+    for run in torch.tensor_split(rows, breaks):
+        for block in run.split(per_block):
+            with torch.no_grad(), _OnHost():
+                m = sdpa_mask(
+                    batch_size=batch_size, q_length=len(block), kv_length=grid, q_offset=int(block[0]),
+                    kv_offset=0, mask_function=fn, attention_mask=None, allow_is_causal_skip=False,
+                    allow_is_bidirectional_skip=False, use_vmap=use_vmap, device="cpu",
+                )
+            yield block, torch.as_tensor(m, dtype=torch.bool).expand(batch_size, 1, len(block), grid)[:, 0]
+
+
+def _row_runs(fn: Callable, batch_size: int, rows: Tensor, grid: int, use_vmap: bool) -> tuple[Tensor, ...]:
+    """``(first, last, count)`` of the keys each query row attends, int64 ``[len(rows)]`` each.
+
+    Raises:
+        NotImplementedError: ``fn`` cannot be evaluated there, or differs between batch rows.
+    """
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    blocks = _evaluate(fn, batch_size, rows, grid, use_vmap)
+    first, last, count = [], [], []
+    while True:
+        try:
+            _, m = next(blocks)
+        except StopIteration:
+            break
+        except Exception as e:  # any failure means: not a function of global positions
+            raise NotImplementedError(
+                f"seqpar attention: transformers' mask function {name} cannot be evaluated on global "
+                f"positions 0..{grid - 1} ({type(e).__name__}: {e}); masks that depend on token data "
+                "(image or block ids, padding, packed sequences) are not supported on sequence shards"
+            ) from e
+        if batch_size > 1 and not bool((m == m[:1]).all()):
+            raise NotImplementedError(
+                f"seqpar attention: transformers' mask function {name} differs between batch rows "
+                "(per-sample masks such as padding or image tokens are not supported on sequence shards)"
+            )
+        m = m[0].to(torch.uint8)
+        first.append(m.argmax(1))
+        last.append(grid - 1 - m.flip(1).argmax(1))
+        count.append(m.sum(1))
+    return torch.cat(first), torch.cat(last), torch.cat(count)
+
+
+def _refuse(fn: Callable, row: int, batch_size: int, grid: int, use_vmap: bool, why: str) -> NoReturn:
+    _, m = next(_evaluate(fn, batch_size, torch.tensor([row]), grid, use_vmap))
+    keys = torch.nonzero(m[0, 0]).flatten().tolist()
+    shown = ", ".join(map(str, keys[:12])) + (", ..." if len(keys) > 12 else "")
+    raise NotImplementedError(
+        f"seqpar attention: transformers' mask function {getattr(fn, '__qualname__', type(fn).__name__)} "
+        f"is not a causal, bidirectional, sliding-window or chunked pattern: query position {row} "
+        f"attends keys [{shown}] ({len(keys)} keys); {why}"
+    )
+
+
+def recognise_mask_function(
+    fn: Callable, *, batch_size: int, grid: int, hint: int | None = None, use_vmap: bool = False
+) -> Mask:
+    """The ``Mask`` a transformers mask function describes on global positions ``0 .. grid-1``.
+
+    See Note [Recognising transformers masks].
+
+    Args:
+        fn: ``(batch_idx, head_idx, q_idx, kv_idx) -> bool``, as transformers builds it.
+        batch_size: batch rows to evaluate (the pattern must be the same in all of them).
+        grid: global positions to probe; at least the global sequence length.
+        hint: transformers' ``local_size`` (the sliding window or chunk size), if it passed one.
+        use_vmap: evaluate with ``torch.vmap`` (transformers' flag for custom mask functions).
+
+    Returns:
+        ``Mask(causal, window, chunk_size)``, normalised for ``grid`` positions.
+
+    Raises:
+        ValueError: ``grid`` or ``batch_size`` below 1.
+        NotImplementedError: the pattern depends on token data, differs between batch rows, or
+            is not a causal/bidirectional, sliding-window or chunked mask.
+    """
+    if grid < 1 or batch_size < 1:
+        raise ValueError(f"recognise_mask_function: grid={grid} and batch_size={batch_size} must be >= 1")
+    rows = _probe_rows(grid, hint)
+    lo, hi, count = _row_runs(fn, batch_size, rows, grid, use_vmap)
+    bad = (count == 0) | (count != hi - lo + 1) | (lo > rows) | (hi < rows)
+    if bool(bad.any()):
+        row = int(rows[torch.nonzero(bad)[0, 0]])
+        why = "seqpar needs every query to attend one run of keys around itself"
+        _refuse(fn, row, batch_size, grid, use_vmap, why)
+    causal = bool((hi <= rows).all())
+    lefts = (-1, int((rows - lo).max()))
+    rights = (-1,) if causal else (-1, int((hi - rows).max()))
+    starts = lo[lo > 0]  # chunk starts, if chunked: multiples of the chunk size
+    chunks = [None, *([int(hint)] if hint else []), *([math.gcd(*starts.tolist())] if len(starts) else [])]
+    # Every row is one run [lo, hi], and so is every row of a Mask: they are equal iff the Mask
+    # allows both ends and neither key just outside.
+    edges = torch.stack([lo, hi, lo - 1, hi + 1], 1)
+    want = torch.tensor([True, True, False, False]).expand_as(edges)
+    outside = (edges < 0) | (edges >= grid)
+    for chunk in chunks:
+        for left in lefts:
+            for right in rights:
+                mask = Mask(causal, (left, right), chunk).normalised(grid)
+                if bool(((mask.allows(rows[:, None], edges)[:, 0] == want) | outside).all()):
+                    return mask
+    # Name a row that the closest window-only candidate gets wrong.
+    guess = Mask(causal, (lefts[1], rights[-1])).normalised(grid).allows(rows[:, None], edges)[:, 0]
+    wrong = ((guess != want) & ~outside).any(1)
+    row = int(rows[torch.nonzero(wrong)[0, 0]]) if bool(wrong.any()) else int(rows[-1])
+    _refuse(fn, row, batch_size, grid, use_vmap, "no window and chunk size give these runs of keys")
+
+
+# --- checks ------------------------------------------------------------------------------------
 
 
 def _mask_kind(mask: Tensor, q_len: int, kv_len: int) -> bool | None:
@@ -78,20 +339,113 @@ def _mask_kind(mask: Tensor, q_len: int, kv_len: int) -> bool | None:
 
 
 def _check_positions(position_ids: Tensor, state: ParallelState) -> None:
-    """Raise if ``position_ids`` cannot be this rank's ``shard_positions`` of a dense sequence."""
-    if position_ids.shape[-1] == 0:
+    """Raise unless every row of ``position_ids`` is ``shard_positions(S, state)`` for some ``S``.
+
+    One device-to-host copy; no collective (safe to raise on one rank only). The candidates for
+    ``S`` are the few lengths whose placement gives this rank as many tokens as it holds.
+    """
+    n = position_ids.shape[-1]
+    if n == 0:
         return
-    ok = (position_ids.diff(dim=-1) > 0).all()
-    if state.cp_rank > 0:
-        # A non-empty shard on cp_rank > 0 never starts at position 0 (Note [Sharding placement]).
-        ok = ok & (position_ids[..., 0] != 0).all()
-    if not bool(ok):
+    rows = position_ids.detach().reshape(-1, n).cpu()
+    cp = state.cp_size
+    for seq_len in range(max(int(rows.max()) + 1, cp * (n - 2) + 1, 0), cp * (n + 2)):
+        placement = Placement.dense(seq_len, state.ring_size, state.ulysses_size)
+        if placement.shard_lengths[state.cp_rank] == n and bool(
+            (rows == placement.global_index(state.cp_rank)).all()
+        ):
+            return
+    raise ValueError(
+        f"seqpar attention (cp rank {state.cp_rank} of {state.cp_size}): position_ids "
+        f"{rows[0, :8].tolist()}... are not this rank's global positions of any sequence; pass "
+        "position_ids=seqpar.shard_positions(S, state)[None] with the sharded input_ids (packed "
+        "sequences whose positions restart need seqpar.varlen_attention, not this integration)"
+    )
+
+
+def _declared_window(module: torch.nn.Module, kwargs: dict[str, Any], causal: bool) -> tuple[int, int] | None:
+    """The window the layer's ``sliding_window`` kwarg (or attribute) asks for; ``None`` if silent."""
+    width = kwargs.get("sliding_window", getattr(module, "sliding_window", _ABSENT))
+    if width is _ABSENT:
+        return None
+    if not width:  # None, or Qwen2-MoE's 0 for "no window"
+        return (-1, -1)
+    width = int(width)
+    return (width - 1, 0) if causal else (width - 1, width - 1)
+
+
+def _layer_mask(
+    module: torch.nn.Module, attention_mask: object, is_causal: bool | None, kwargs: dict[str, Any], n: int
+) -> Mask:
+    """The layer's mask in global positions, from the mask function's result and the kwargs."""
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = _declared_window(module, kwargs, causal)
+    if attention_mask is None:
+        return Mask(causal, window or (-1, -1))
+    if isinstance(attention_mask, RecognisedMask):
+        got = attention_mask.mask
+        if got.causal != causal:
+            raise ValueError(
+                f"seqpar attention: the model's mask is {got.describe()} but the layer says "
+                f"is_causal={causal}; transformers' attention implementations disagree on such a "
+                "layer, so seqpar refuses it"
+            )
+        if window is not None and Mask(causal, window, got.chunk_size).normalised(attention_mask.grid) != got:
+            width = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+            raise ValueError(
+                f"seqpar attention: the model's mask is {got.describe()} but the layer passes "
+                f"sliding_window={width!r} (window {window}); transformers' attention "
+                "implementations disagree on such a layer, so seqpar refuses it"
+            )
+        return got
+    if not isinstance(attention_mask, Tensor):
         raise ValueError(
-            f"seqpar attention (cp rank {state.cp_rank} of {state.cp_size}): position_ids "
-            f"{position_ids[..., :8].tolist()}... are not this rank's global positions; pass "
-            "position_ids=seqpar.shard_positions(S, state)[None] with the sharded input_ids (packed "
-            "sequences whose positions restart need seqpar.varlen_attention, not this integration)"
+            f"seqpar attention: got an attention mask of type {type(attention_mask).__name__}; expected "
+            "the mask seqpar's registered mask function builds, None, or a 4-D tensor"
         )
+    kind = _mask_kind(attention_mask, n, n)
+    if kind is None:
+        raise ValueError(
+            f"seqpar attention: got an attention mask {tuple(attention_mask.shape)} "
+            f"({attention_mask.dtype}) that is not a plain causal or all-attend pattern; padding "
+            "and custom masks are not supported on sequence shards (pack sequences and use "
+            "seqpar.varlen_attention, or drop padding)"
+        )
+    if window not in (None, (-1, -1)):
+        raise ValueError(
+            f"seqpar attention: a 4-D attention mask was passed to a layer with a sliding window "
+            f"{window}; pass no attention_mask so that the model builds its own masks"
+        )
+    return Mask(kind)
+
+
+def _sinks(kwargs: dict[str, Any]) -> Tensor | None:
+    given = {k: kwargs[k] for k in ("s_aux", "sinks") if kwargs.get(k) is not None}
+    if len(given) > 1:
+        raise ValueError("seqpar attention: got both s_aux and sinks; pass one tensor of sink logits")
+    return next(iter(given.values()), None)
+
+
+def _check_temperature_tuning(module: torch.nn.Module, n: int, state: ParallelState) -> None:
+    """Llama 4 NoPE layers scale queries by local ``arange`` positions (Note [transformers ...])."""
+    tuned = getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+    if state.cp_size == 1 or not tuned:
+        return
+    floor_scale = int(module.floor_scale)
+    # S < cp_size * (n + 2) (Note [Recognising transformers masks]): below floor_scale every scale
+    # is 1, for local and global positions alike. Decided from n alone, without communication.
+    if state.cp_size * (n + 2) > floor_scale:
+        raise NotImplementedError(
+            f"seqpar attention: layer {getattr(module, 'layer_idx', '?')} applies Llama 4's "
+            "attn_temperature_tuning, which scales queries by torch.arange over the local tokens "
+            f"instead of their global positions; that is exact on shards only for sequences shorter "
+            f"than floor_scale={floor_scale} tokens, and this rank holds {n} of up to "
+            f"{state.cp_size * (n + 2) - 1}; use shorter sequences (or attn_temperature_tuning=False "
+            "where the model allows it)"
+        )
+
+
+# --- transformers entry points --------------------------------------------------------------------
 
 
 def attention_forward(
@@ -99,7 +453,7 @@ def attention_forward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | None,
+    attention_mask: RecognisedMask | Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -111,41 +465,45 @@ def attention_forward(
     """transformers attention function over sequence shards (bound to a state by :func:`register`).
 
     Args:
-        module: the attention module (``is_causal``, ``num_key_value_groups``, ``layer_idx`` are read).
+        module: the attention module (``is_causal``, ``num_key_value_groups``, ``layer_idx``,
+            ``sliding_window`` and Llama 4's temperature-tuning attributes are read).
         query: ``(batch, nheads, seqlen_local, headdim)``.
         key, value: ``(batch, nheads_kv, seqlen_local, headdim)``; ``nheads % nheads_kv == 0``.
-        attention_mask: ``None`` (as :func:`mask_function` produces), or a 4-D mask of the plain
-            causal / all-attend pattern over the shard (see Note [transformers attention on shards]).
+        attention_mask: the :class:`RecognisedMask` of :func:`mask_function`, ``None`` (then
+            ``is_causal`` and ``sliding_window`` decide), or a 4-D mask of the plain causal /
+            all-attend pattern over the shard (see Note [transformers attention on shards]).
         dropout: must be 0 (the model in eval mode, or ``attention_dropout=0``).
         scaling: softmax scale (default ``headdim ** -0.5``).
         is_causal: overrides ``module.is_causal`` (default ``True``) when given.
-        kwargs: ``position_ids`` is checked on the first layer; unsupported attention
-            modifiers (``sliding_window``, ``softcap``, sinks, ``position_bias``) must be ``None``.
+        kwargs: ``sliding_window`` (int or ``None``), ``softcap`` (float or ``None``), ``s_aux``
+            or ``sinks`` (``(nheads,)``), ``position_ids`` (checked on the first layer); position
+            biases and packed-batch kwargs must be ``None``.
 
     Returns:
         ``(out, None)`` with ``out`` ``(batch, seqlen_local, nheads, headdim)``, this rank's shard of
         exact attention over the global sequence.
 
     Raises:
-        ValueError: a mask other than the plain causal / all-attend pattern; position_ids that are
-            not global shard positions; head counts that disagree with ``num_key_value_groups``.
-        NotImplementedError: dropout > 0, decoding with a KV cache, sliding windows, softcap, sinks
-            or position biases.
+        ValueError: a 4-D mask other than the plain causal / all-attend pattern; a mask that
+            disagrees with ``is_causal`` or ``sliding_window``; position_ids that are not global
+            shard positions; head counts that disagree with ``num_key_value_groups``.
+        NotImplementedError: dropout > 0, decoding with a KV cache, position biases, packed-batch
+            kwargs, or Llama 4 temperature tuning on sequences of ``floor_scale`` tokens or more.
     """
-    for name in _UNSUPPORTED_KWARGS:
+    for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
-                f"seqpar attention: {name}={kwargs[name]!r} is not supported on sequence shards "
-                "(seqpar computes plain softmax attention); use a model/config without it"
+                f"seqpar attention: {name} is given, but {what} is not supported on sequence shards"
             )
     if dropout:
         raise NotImplementedError(
             f"seqpar attention: attention dropout {dropout} is not supported on sequence shards; set "
             "config.attention_dropout = 0.0 (or call model.eval())"
         )
-    if key.shape[2] != query.shape[2]:
+    n = query.shape[2]
+    if key.shape[2] != n:
         raise NotImplementedError(
-            f"seqpar attention: query has {query.shape[2]} tokens but key/value have {key.shape[2]}: "
+            f"seqpar attention: query has {n} tokens but key/value have {key.shape[2]}: "
             "decoding with a KV cache is not supported on sequence shards; call the model with "
             "use_cache=False"
         )
@@ -155,25 +513,20 @@ def attention_forward(
             f"seqpar attention: query has {query.shape[1]} heads, key {key.shape[1]}, but the module "
             f"says num_key_value_groups={groups}"
         )
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is not None:
-        kind = _mask_kind(attention_mask, query.shape[2], key.shape[2])
-        if kind is None:
-            raise ValueError(
-                f"seqpar attention: got an attention mask {tuple(attention_mask.shape)} "
-                f"({attention_mask.dtype}) that is not a plain causal or all-attend pattern; padding "
-                "and custom masks are not supported on sequence shards (pack sequences and use "
-                "seqpar.varlen_attention, or drop padding)"
-            )
-        causal = kind
+    mask = _layer_mask(module, attention_mask, is_causal, kwargs, n)
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
         _check_positions(position_ids, state)
+    _check_temperature_tuning(module, n, state)
 
-    from ..hybrid import attention
+    from ..attention import attention
 
     out = attention(
-        query, key, value, state, causal=bool(causal), softmax_scale=scaling, layout="bhsd", backend=backend
+        query, key, value, state,
+        causal=mask.causal, window=mask.window, chunk_size=mask.chunk_size,
+        softcap=float(kwargs.get("softcap") or 0.0), sinks=_sinks(kwargs),
+        softmax_scale=scaling, layout="bhsd", backend=backend,
+        seq_len=n if state.cp_size == 1 else None,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -184,42 +537,66 @@ def mask_function(
     kv_length: int,
     q_offset: int = 0,
     kv_offset: int = 0,
-    mask_function: Any = None,
+    mask_function: Callable | None = None,
     attention_mask: Tensor | None = None,
     use_vmap: bool = False,
+    local_size: int | None = None,
+    *,
+    state: ParallelState,
     **kwargs: Any,
-) -> None:
-    """transformers mask function for seqpar: builds no mask (attention follows ``is_causal``).
+) -> RecognisedMask:
+    """transformers mask function for seqpar: recognises the pattern, builds no tensor.
 
     Args:
+        batch_size, q_length, kv_length, q_offset, kv_offset: as transformers passes them;
+            ``q_length`` is the local shard length and must equal ``kv_length`` (no cache).
+        mask_function: transformers' ``(batch_idx, head_idx, q_idx, kv_idx) -> bool`` pattern
+            (default: causal).
         attention_mask: the model's 2-D ``(batch, seqlen)`` mask, or ``None``; must be all ones.
-        use_vmap: set by transformers when the model overlays custom mask functions.
+        use_vmap: set by transformers for custom mask functions (evaluated with ``torch.vmap``).
+        local_size: the sliding window or chunk size, which transformers passes for those masks.
+        state: the parallel state the tokens are sharded over (bound by :func:`register`).
 
     Returns:
-        ``None`` always.
+        A :class:`RecognisedMask` (Note [Recognising transformers masks]).
 
     Raises:
-        ValueError: a padding mask (any zero in ``attention_mask``).
-        NotImplementedError: custom ``or``/``and`` mask functions (e.g. bidirectional image tokens).
+        ValueError: a padding mask (any zero in ``attention_mask``); position_ids of a packed
+            wrapper that are not this rank's global positions.
+        NotImplementedError: a KV cache or cross-attention (``kv_length != q_length``, offsets);
+            a pattern that depends on token data or is no causal/window/chunk mask.
     """
-    if use_vmap:
+    offsets = (q_offset, kv_offset)
+    if kv_length != q_length or not all(isinstance(o, int) for o in offsets) or any(offsets):
         raise NotImplementedError(
-            "seqpar attention: this model combines custom mask functions (or_mask_function/"
-            "and_mask_function), which are not supported on sequence shards"
+            f"seqpar attention: a mask for {q_length} queries over {kv_length} keys (offsets "
+            f"{q_offset}, {kv_offset}): decoding with a KV cache and cross-attention are not "
+            "supported on sequence shards; call the model with use_cache=False"
         )
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError(
             "seqpar attention: padding masks are not supported on sequence shards (the attention_mask "
             "has zeros); drop padding, or pack the sequences and use seqpar.varlen_attention"
         )
-    return None
+    if mask_function is None:
+        from transformers.masking_utils import causal_mask_function as mask_function
+    base, position_ids = _unwrap_packing(mask_function)
+    if position_ids is not None:
+        _check_positions(position_ids, state)
+    if state.cp_size == 1:
+        grid = max(q_length, 2)  # two positions tell causal from bidirectional
+    else:
+        grid = max(state.cp_size * (q_length + 2), 2 * local_size + 2 if local_size else 0)
+    hint = int(local_size) if local_size else None
+    mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
+    return RecognisedMask(mask, grid)
 
 
 def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto") -> str:
     """Register seqpar attention over ``state`` with transformers under ``name``.
 
-    Registers :func:`attention_forward` (bound to ``state``) in ``AttentionInterface`` and
-    :func:`mask_function` in ``AttentionMaskInterface``, so that
+    Registers :func:`attention_forward` and :func:`mask_function` (both bound to ``state``) in
+    ``AttentionInterface`` and ``AttentionMaskInterface``, so that
     ``from_pretrained(..., attn_implementation=name)`` or ``_from_config(config,
     attn_implementation=name)`` runs every attention layer on sequence shards. Feed the model
     ``input_ids=seqpar.shard(ids, state)``, ``position_ids=seqpar.shard_positions(S, state)[None]``
@@ -249,18 +626,13 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
 
     def seqpar_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         return attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout,
-            scaling,
-            state=state,
-            backend=backend,
-            **kwargs,
+            module, query, key, value, attention_mask, dropout, scaling,
+            state=state, backend=backend, **kwargs,
         )
 
+    def seqpar_mask(*args, **kwargs):
+        return mask_function(*args, state=state, **kwargs)
+
     attention_interface.register(name, seqpar_attention)
-    mask_interface.register(name, mask_function)
+    mask_interface.register(name, seqpar_mask)
     return name
