@@ -1,235 +1,416 @@
-"""Benchmark seqpar.attention: Ulysses-only, ring-only and hybrid next to single-device attention.
+"""Benchmark seqpar.attention: Ulysses, ring and hybrid next to one device, and sliding windows
+against full causal attention.
 
-Every configuration computes the same problem -- full attention over ``B x S`` tokens with ``H``
-heads -- split over ``N`` ranks; the single-device baseline computes all of it in one process with
-the same kernel. Reported per configuration: forward+backward time (median over iterations of the
-slowest rank), peak memory per rank, and for configurations with a ring the ring's kernel
-efficiency: the time the ring's kernel calls took on each rank versus one monolithic call of the
-same kernel doing the same FLOPs (a ``[B, S_eq, H_u, D]`` non-causal call with ``S_eq^2`` equal to
-the rank's attended query-key pairs), measured concurrently on every rank; a replay of the ring's
-recorded block shapes, outside the ring, separates small-block cost from interference with the
-communication.
+Every configuration ``R x U`` (ring x Ulysses) computes the same problem -- attention over ``B x
+S`` tokens with ``H`` heads -- split over ``R * U`` ranks, forward and backward. Per configuration
+and mask the script reports:
+
+- **time**: median over ``--iters`` forward+backward iterations of the slowest rank (all ranks
+  start each iteration together, ``seqpar.profiling``); with several masks (``--window``) their
+  iterations are interleaved, so drifting background load hits them alike;
+- **plan figures** (host maths, exact, from ``seqpar.placement``): attended (query, key) pairs
+  and kernel FLOPs per rank, and the bytes of K/V each rank sends around the ring (below);
+- **kernel time**: the wall time of the ring's kernel calls (a backend wrapper), and from it
+  nanoseconds per attended (query, key, head) pair, forward+backward;
+- unless ``--window``: the single-device baseline (the whole problem in one process, same
+  kernel), peak memory per rank, and the ring's kernel efficiency: one equal-FLOP non-causal
+  kernel call against the ring's kernel calls, in the ring and replayed alone.
+
+``--window W`` compares, in one run and on the same tensors, full causal attention with causal
+sliding-window attention (window ``(W, 0)``: query ``i`` sees keys ``i-W .. i``), and prints
+window/full ratios of FLOPs, ring bytes and time.
+
+What is counted (plan figures):
+
+- pairs: ``sum(tile_pairs(step.tiles))`` over the ring steps of the rank's plan, times its
+  heads ``H_u`` and ``B``: the (query, key, head) triples the mask attends, not what a kernel
+  computes (the CPU kernel also computes masked-out parts of its tiles);
+- kernel FLOPs, forward: ``4 * D * pairs`` (``QK^T`` and ``PV``, a multiply-add = 2 FLOPs);
+  the backward (``QK^T`` recomputed, ``dP``, ``dS``->``dQ``, ``dK``, ``dV``) is ``2.5x`` that,
+  so every FLOP ratio is also the forward+backward one;
+- ring bytes sent per rank, forward: ``sum over steps of rows(send_rows) * B * Hkv_u * (D + Dv)
+  * itemsize`` (K and V; ``Hkv_u`` = K/V heads in the ring after Ulysses). The backward sends the
+  same K/V again (Note [Ring schedule]) plus dK/dV of the rows it received, in the input dtype:
+  ``rows(recv_rows) * B * Hkv_u * (D + Dv) * itemsize``. Ulysses all-to-all traffic (``U > 1``)
+  does not depend on the mask and is not included. Cross-check: the bytes each rank actually
+  hands to the ring's point-to-point sends (``seqpar.parallel.ring.post``, wrapped for one
+  untimed iteration) are recorded too; the output warns if they differ from the plan's.
 
 Run:
-    python scripts/bench_attention.py                       # CPU: spawns 4 gloo ranks
+    python scripts/bench_attention.py                         # CPU: 4 gloo ranks, 3 configs
     python scripts/bench_attention.py --world 2 --seq-len 4096 --causal
-    torchrun --nproc-per-node 8 scripts/bench_attention.py  # CUDA/NCCL, one GPU per rank
+    python scripts/bench_attention.py --ring 4 --window 4096 --seq-len 65536 --heads 2 --head-dim 64
+    torchrun --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` above the inputs; on CPU a
-``TorchDispatchMode`` that follows every storage created by an ATen op until it is freed (weak
-storage references) -- tensors only, not a kernel's internal scratch -- plus the process's
-``ru_maxrss`` for reference. Memory is measured in a separate, untimed iteration.
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the live storages created by
+ATen ops (``seqpar.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a
+separate untimed iteration. With more CPU ranks than cores the ranks time-share the cores:
+compare ratios within one run (the output says so).
 
-With more ranks than CPU cores the ranks time-share the cores; compare ratios within one run.
+Output: the tables, notes and warnings, then the whole report as one JSON line (last line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 
-import seqpar
-from seqpar.backends import AttentionBackend, get_backend
-from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes, sync
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import (  # noqa: E402
+    emit,
+    few_iterations_warning,
+    table,
+    time_sharing_warning,
+    under_torchrun,
+    usable_cores,
+)
+
+import seqpar  # noqa: E402
+from seqpar.backends import KernelBackend, get_backend  # noqa: E402
+from seqpar.parallel import ring as ring_module  # noqa: E402
+from seqpar.parallel.ulysses import head_assignments  # noqa: E402
+from seqpar.placement import Mask, Placement, ring_plan  # noqa: E402
+from seqpar.placement.blocks import tile_pairs  # noqa: E402
+from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Masks and plan figures (host maths, no tensors of the problem)
+
+
+def _masks(p: dict) -> list[tuple[str, dict]]:
+    """``(label, attention kwargs)`` of every mask this run measures."""
+    if p["window"] is None:
+        return [("causal" if p["causal"] else "full", {"causal": p["causal"]})]
+    W = p["window"]
+    return [("causal", {"causal": True}), (f"window ({W}, 0)", {"causal": True, "window": (W, 0)})]
+
+
+def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
+    """Per CP rank (``cp_rank`` order): attended pairs, forward kernel FLOPs and ring bytes sent.
+
+    See the module docstring for what is counted.
+    """
+    S, B, D, H, Hkv = p["seq_len"], p["batch"], p["head_dim"], p["heads"], p["kv_heads"]
+    mask = Mask(mask_kwargs["causal"], mask_kwargs.get("window", (-1, -1))).normalised(S)
+    placement = Placement.dense(S, R, U)
+    heads = head_assignments(H, Hkv, U)
+    itemsize = torch.empty(0, dtype=getattr(torch, p["dtype"])).element_size()
+    per_ring = []
+    for r in range(R):
+        plan = ring_plan(placement, r, mask, varlen=B == 1)
+        per_ring.append({
+            "pairs_per_head": sum(tile_pairs(s.tiles) for s in plan.steps),
+            "send_rows": sum(b - a for s in plan.steps for a, b in s.send_rows),
+            "recv_rows": sum(b - a for s in plan.steps for a, b in s.recv_rows),
+            "kernel_calls": sum(len(s.calls) for s in plan.steps),
+            "active_steps": sum(1 for s in plan.steps if s.calls),
+        })
+    ranks = []
+    for r in range(R):
+        for u in range(U):
+            h_q, h_kv = heads[u].q_len, heads[u].kernel_kv_heads if heads[u].q_len else 0
+            row = (2 * D) * B * h_kv  # K and V of one token (D + Dv, Dv = D here)
+            f = per_ring[r]
+            kv_fwd = f["send_rows"] * row * itemsize
+            ranks.append({
+                "pairs": f["pairs_per_head"] * h_q * B,
+                "fwd_flops": 4 * D * f["pairs_per_head"] * h_q * B,
+                "ring_kv_bytes_fwd": kv_fwd,
+                "ring_bytes_bwd": kv_fwd + f["recv_rows"] * row * itemsize,
+                "kernel_calls_fwd": f["kernel_calls"],
+                "active_steps": f["active_steps"],
+            })
+    def total(key: str) -> int:
+        return sum(x[key] for x in ranks)
+
+    def most(key: str) -> int:
+        return max(x[key] for x in ranks)
+
+    return {
+        "mask": mask.describe(),
+        "per_rank": ranks,
+        "pairs_total": total("pairs"),
+        "pairs_max": most("pairs"),
+        "pairs_max_over_mean": most("pairs") * len(ranks) / max(1, total("pairs")),
+        "fwd_flops_max": most("fwd_flops"),
+        "ring_kv_bytes_fwd_max": most("ring_kv_bytes_fwd"),
+        "ring_kv_bytes_fwd_total": total("ring_kv_bytes_fwd"),
+        "ring_bytes_fwd_bwd_max": max(x["ring_kv_bytes_fwd"] + x["ring_bytes_bwd"] for x in ranks),
+        "ring_bytes_fwd_bwd_total": total("ring_kv_bytes_fwd") + total("ring_bytes_bwd"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Measurement helpers
 
 
-class _TimedBackend:
-    """Wraps a backend: records the wall time and the shapes of every kernel call."""
+def timed_backend(inner: KernelBackend, device: torch.device) -> KernelBackend:
+    """A backend of ``inner``'s class that also records the wall time and the shapes of every
+    kernel call the ring makes (nested calls, e.g. the CPU varlen path's dense calls, count once).
 
-    def __init__(self, inner: AttentionBackend, device: torch.device) -> None:
-        self.inner, self.device, self.name = inner, device, inner.name
-        self.calls: list[tuple[str, tuple, tuple, bool]] = []  # (kind, q shape, k shape, causal)
-        self._pending: list[tuple[Any, Any]] = []
-        self.seconds = 0.0
+    The ring calls the trusted ``kernel_*`` methods, so those are the ones wrapped. On CUDA the
+    times come from events, read by :meth:`total_seconds`.
+    """
+    base = type(inner)
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            self._pending.append((start, end))
-            return out
-        t0 = time.perf_counter()
-        out = fn()
-        self.seconds += time.perf_counter() - t0
-        return out
+    class Timed(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds = 0.0
+            self.calls: list[tuple] = []  # forward calls: ("dense", q, k, window) / ("varlen", q, k, packing, window)
+            self._pending: list[tuple[Any, Any]] = []
+            self._depth = 0
 
-    def total_seconds(self) -> float:
-        sync(self.device)
-        self.seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3
-        self._pending = []
-        return self.seconds
+        def _timed(self, fn: Callable[[], Any]) -> Any:
+            self._depth += 1
+            try:
+                if self._depth > 1:
+                    return fn()
+                if device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = fn()
+                    end.record()
+                    self._pending.append((start, end))
+                    return out
+                t0 = time.perf_counter()
+                out = fn()
+                self.seconds += time.perf_counter() - t0
+                return out
+            finally:
+                self._depth -= 1
 
-    def forward(self, q, k, v, *, causal, scale):
-        self.calls.append(("forward", tuple(q.shape), tuple(k.shape), causal))
-        return self._timed(lambda: self.inner.forward(q, k, v, causal=causal, scale=scale))
+        def total_seconds(self) -> float:
+            if self._pending:
+                torch.cuda.synchronize(device)
+                self.seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3
+                self._pending = []
+            return self.seconds
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
-        self.calls.append(("backward", tuple(q.shape), tuple(k.shape), causal))
-        return self._timed(
-            lambda: self.inner.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-        )
+        def reset(self) -> None:
+            self.total_seconds()
+            self.seconds, self.calls = 0.0, []
 
-    def varlen_forward(self, *args, **kwargs):  # not used by dense attention
-        return self.inner.varlen_forward(*args, **kwargs)
+        def kernel_forward(self, q, k, v, **kw):
+            if self._depth == 0:
+                self.calls.append(("dense", tuple(q.shape), tuple(k.shape), kw["window"]))
+            return self._timed(lambda: base.kernel_forward(self, q, k, v, **kw))
 
-    def varlen_backward(self, *args, **kwargs):
-        return self.inner.varlen_backward(*args, **kwargs)
+        def kernel_backward(self, dout, q, k, v, out, lse, **kw):
+            return self._timed(lambda: base.kernel_backward(self, dout, q, k, v, out, lse, **kw))
 
+        def kernel_varlen_forward(self, q, k, v, packing, **kw):
+            if self._depth == 0:
+                self.calls.append(("varlen", tuple(q.shape), tuple(k.shape), packing, kw["window"]))
+            return self._timed(lambda: base.kernel_varlen_forward(self, q, k, v, packing, **kw))
 
-def _pairs(q_shape: tuple, k_shape: tuple, causal: bool) -> int:
-    """Attended (query, key) pairs of one block, over batch and heads."""
-    b, sq, h, _ = q_shape
-    sk = k_shape[1]
-    per_head = sq * (sq + 1) // 2 if causal else sq * sk
-    return b * h * per_head
+        def kernel_varlen_backward(self, dout, q, k, v, out, lse, packing, **kw):
+            return self._timed(lambda: base.kernel_varlen_backward(self, dout, q, k, v, out, lse, packing, **kw))
 
-
-def _kernel_fwd_bwd(backend: AttentionBackend, q, k, v, dout, causal: bool, scale: float) -> None:
-    out, lse = backend.forward(q, k, v, causal=causal, scale=scale)
-    backend.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-
-
-def _seconds(
-    fn: Callable[[], None], device: torch.device, iters: int, slowest: bool = True
-) -> tuple[float, float]:
-    """``(median, min)`` over ``iters`` of the time of ``fn`` after one warm-up; all ranks start
-    each iteration together, and with ``slowest`` each iteration counts the slowest rank."""
-    times = iteration_seconds(fn, iters, device)
-    if slowest:
-        times = max_over_ranks(times, device)
-    return statistics.median(times), min(times)
+    Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
+    return Timed()
 
 
-def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int:
-    """Peak tensor bytes while ``fn`` runs (``seqpar.profiling.PeakMemory``: the CUDA allocator's
-    high-water mark, on CPU the live storages created by ATen ops)."""
+def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
+    """Peak tensor bytes while ``fn`` runs (``seqpar.profiling.PeakMemory``)."""
     with PeakMemory(device) as mem:
         fn()
     return mem.peak
 
 
-# ---------------------------------------------------------------------------------------------
-# The problem
-
-
-def _inputs(p: dict, device: torch.device, dtype: torch.dtype, seq_len: int) -> list[torch.Tensor]:
+def _inputs(p: dict, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator(device="cpu").manual_seed(p["seed"])
-    B, H, Hkv, D = p["batch"], p["heads"], p["kv_heads"], p["head_dim"]
-    shapes = [(B, seq_len, H, D), (B, seq_len, Hkv, D), (B, seq_len, Hkv, D), (B, seq_len, H, D)]
+    B, S, H, Hkv, D = p["batch"], p["seq_len"], p["heads"], p["kv_heads"], p["head_dim"]
+    shapes = [(B, S, H, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, H, D)]
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
 
 
-def _attention_step(q, k, v, dout, state, p, backend) -> Callable[[], None]:
+class _SendCounter:
+    """Counts the bytes the ring hands to point-to-point sends while active, by wrapping
+    ``seqpar.parallel.ring.post`` (``bytes`` stays None if the ring no longer calls ``post``)."""
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None
+        self._post = getattr(ring_module, "post", None)
+
+    def __enter__(self) -> Self:
+        if self._post is None:
+            return self
+        self.bytes = 0
+        original = self._post
+
+        def counting(group, sends=(), recvs=()):
+            self.bytes += sum(t.numel() * t.element_size() for _, t in sends)
+            return original(group, sends, recvs)
+
+        ring_module.post = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._post is not None:
+            ring_module.post = self._post
+
+
+def _recorded_step(q, k, v, dout, state, p, backend, mask_kwargs: dict) -> tuple[int | None, int | None]:
+    """One untimed forward+backward; returns the ring bytes this rank sent in each."""
+    for t in (q, k, v):
+        t.grad = None
+    with _SendCounter() as fwd:
+        out = seqpar.attention(q, k, v, state, backend=backend, seq_len=p["seq_len"], **mask_kwargs)
+    with _SendCounter() as bwd:
+        out.backward(dout)
+    return fwd.bytes, bwd.bytes
+
+
+def _attention_step(q, k, v, dout, state, p, backend, mask_kwargs: dict) -> Callable[[], None]:
     def step() -> None:
         for t in (q, k, v):
             t.grad = None
-        out = seqpar.attention(
-            q, k, v, state, causal=p["causal"], backend=backend, seq_len=p["seq_len"]
-        )
+        out = seqpar.attention(q, k, v, state, backend=backend, seq_len=p["seq_len"], **mask_kwargs)
         out.backward(dout)
 
     return step
 
 
-def single_device(p: dict, device: torch.device) -> dict:
-    """The whole problem in one process with the same kernel (no communication)."""
+def _interleaved(
+    steps: list[Callable[[], None]], p: dict, device: torch.device, distributed: bool
+) -> list[list[float]]:
+    """Per step, ``iters`` times (slowest rank per iteration when ``distributed``), the steps'
+    iterations interleaved: s0, s1, ..., s0, s1, ..."""
+    for _ in range(p["warmup"]):
+        for fn in steps:
+            fn()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(p["iters"]):
+        for i, fn in enumerate(steps):
+            times[i] += iteration_seconds(fn, 1, device, warmup=0, barrier=distributed)
+    if distributed:
+        times = [max_over_ranks(t, device) for t in times]
+    return times
+
+
+def _summary(times: list[float]) -> dict:
+    return {"time_ms": 1e3 * statistics.median(times), "min_time_ms": 1e3 * min(times),
+            "times_ms": [round(1e3 * t, 3) for t in times]}
+
+
+def single_device(p: dict, device: torch.device) -> list[dict]:
+    """The whole problem in one process with the same kernel (no communication), every mask."""
     dtype = getattr(torch, p["dtype"])
-    q, k, v, dout = _inputs(p, device, dtype, p["seq_len"])
+    q, k, v, dout = _inputs(p, device, dtype)
     for t in (q, k, v):
         t.requires_grad_()
-    # Without a process group a size-1 state; under torchrun every rank is its own CP group.
-    state = seqpar.ParallelState(ring_size=1, ulysses_size=1)
-    step = _attention_step(q, k, v, dout, state, p, p["backend"])
-    seconds, best = _seconds(step, device, p["iters"])
-    return {"time_ms": 1e3 * seconds, "min_time_ms": 1e3 * best, "peak_bytes": _peak_bytes(step, device)}
+    state = seqpar.ParallelState(ring_size=1, ulysses_size=1)  # a size-1 group (each rank alone)
+    steps = [_attention_step(q, k, v, dout, state, p, p["backend"], kw) for _, kw in _masks(p)]
+    # Under torchrun every rank runs the baseline at once, each on its own device: no barrier.
+    rows = [_summary(t) for t in _interleaved(steps, p, device, distributed=False)]
+    if p["memory"]:
+        for row, step in zip(rows, steps):
+            row["peak_bytes"] = _peak_bytes(step, device)
+    return rows
 
 
 def bench_rank(p: dict, configs: list[tuple[str, int, int]]) -> list[dict]:
-    """Runs on every rank: time, memory and kernel efficiency of each configuration."""
+    """Runs on every rank: time (and memory, kernel efficiency) of each configuration and mask."""
     device = torch.device(p["device"])
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, p["dtype"])
+    masks = _masks(p)
     rows = []
     for name, R, U in configs:
         state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
-        full = _inputs(p, torch.device("cpu"), dtype, p["seq_len"])
         # Own storage per rank (a shard may be a view of the global tensor).
-        q, k, v, dout = (seqpar.shard(t, state, dim=1).to(device).clone() for t in full)
+        q, k, v, dout = (seqpar.shard(t, state, dim=1).to(device).clone() for t in _inputs(p, torch.device("cpu"), dtype))
         for t in (q, k, v):
             t.requires_grad_()
-        kernel = _TimedBackend(get_backend(p["backend"], device, dtype), device)
-        step = _attention_step(q, k, v, dout, state, p, kernel)
-        step()  # warm-up; also records one iteration's kernel calls
-        calls = list(kernel.calls)
-        kernel.total_seconds()  # flush the warm-up's pending CUDA events, then start counting
-        kernel.seconds, kernel.calls = 0.0, []
-        seconds, best = _seconds(step, device, p["iters"])
-        kernel_s = kernel.total_seconds() / (p["iters"] + 1)  # _seconds runs fn iters + 1 times
-        peak = _peak_bytes(step, device)
-        row = {
-            "config": name, "ring": R, "ulysses": U, "rank": dist.get_rank(),
-            "time_ms": 1e3 * seconds, "min_time_ms": 1e3 * best, "peak_bytes": peak, "maxrss_bytes": maxrss_bytes(),
-            "kernel_ms": 1e3 * kernel_s, "kernel_calls": len(calls),
-        }
-        if R > 1:
-            row.update(_kernel_efficiency(p, calls, kernel.inner, device, dtype, kernel_s))
-        rows.append(row)
+        kernels = [
+            timed_backend(get_backend(p["backend"], device, dtype, window="window" in kw), device) for _, kw in masks
+        ]
+        steps = [_attention_step(q, k, v, dout, state, p, kern, kw) for kern, (_, kw) in zip(kernels, masks)]
+        # One untimed call each: records the kernel calls and the ring bytes sent.
+        sent = [_recorded_step(q, k, v, dout, state, p, kern, kw) for kern, (_, kw) in zip(kernels, masks)]
+        calls = [list(kern.calls) for kern in kernels]
+        for kern in kernels:
+            kern.reset()
+        times = _interleaved(steps, {**p, "warmup": max(0, p["warmup"] - 1)}, device, distributed=True)
+        for (label, kw), kern, step, t, c, (fwd, bwd) in zip(masks, kernels, steps, times, calls, sent):
+            row = {
+                "config": name, "ring": R, "ulysses": U, "mask": label, "rank": dist.get_rank(),
+                **_summary(t), "kernel_ms": 1e3 * kern.total_seconds() / p["iters"], "kernel_calls": len(c),
+                "ring_bytes_sent_fwd": fwd, "ring_bytes_sent_bwd": bwd,
+            }
+            if p["memory"]:
+                row["peak_bytes"] = _peak_bytes(step, device)
+                row["maxrss_bytes"] = maxrss_bytes()
+            if p["efficiency"] and R > 1:
+                pairs = plan_figures(p, R, U, kw)["per_rank"][state.cp_rank]["pairs"]
+                row.update(_kernel_efficiency(p, c, kern, pairs, device, dtype, row["kernel_ms"] / 1e3))
+            rows.append(row)
     return rows
 
 
 def _kernel_efficiency(
-    p: dict, calls: list, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
+    p: dict, calls: list, backend: KernelBackend, pairs: int, device: torch.device, dtype: torch.dtype,
     in_ring_s: float,
 ) -> dict:
-    """This rank's in-ring kernel time vs one equal-FLOP call, and vs replaying the blocks alone."""
+    """This rank's in-ring kernel time vs one equal-FLOP non-causal call, and vs replaying the
+    ring's kernel calls alone (same shapes and windows, random data)."""
     scale = p["head_dim"] ** -0.5
-    fwd = [(qs, ks, c) for kind, qs, ks, c in calls if kind == "forward"]
-    pairs = sum(_pairs(qs, ks, c) for qs, ks, c in fwd)
     B, D = p["batch"], p["head_dim"]
-    heads = fwd[0][0][2] if fwd else 1
-    kv_heads = fwd[0][1][2] if fwd else 1
-    s_eq = max(1, round(math.sqrt(pairs / (B * heads)))) if pairs else 0
     gen = torch.Generator(device="cpu").manual_seed(1)
 
     def rand(*shape):
         return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
 
+    def fwd_bwd(q, k, v, dout, window, packing=None) -> None:
+        kw = {"scale": scale, "window": window, "softcap": 0.0}
+        if packing is None:
+            out, lse = backend.kernel_forward(q, k, v, **kw)
+            backend.kernel_backward(dout, q, k, v, out, lse, **kw)
+        else:
+            out, lse = backend.kernel_varlen_forward(q, k, v, packing, **kw)
+            backend.kernel_varlen_backward(dout, q, k, v, out, lse, packing, **kw)
+
+    def median_s(fn: Callable[[], None]) -> float:
+        return statistics.median(iteration_seconds(fn, p["iters"], device, barrier=False))
+
+    heads = calls[0][1][-2] if calls else 0
+    kv_heads = calls[0][2][-2] if calls else 0
+    per_head = pairs // (B * heads) if heads else 0
+    s_eq = max(1, round(math.sqrt(per_head))) if per_head else 0
+    mono = None
     if s_eq:
-        q, dout = rand(B, s_eq, heads, D), rand(B, s_eq, heads, D)
-        k, v = rand(B, s_eq, kv_heads, D), rand(B, s_eq, kv_heads, D)
-        mono = _seconds(lambda: _kernel_fwd_bwd(backend, q, k, v, dout, False, scale), device, p["iters"], False)[0]
-    else:
-        mono = _seconds(lambda: None, device, p["iters"], False)[0]
-    blocks = [
-        (rand(*qs), rand(*ks), rand(*ks), rand(*qs), c) for qs, ks, c in fwd
-    ]
+        tensors = rand(B, s_eq, heads, D), rand(B, s_eq, kv_heads, D), rand(B, s_eq, kv_heads, D), rand(B, s_eq, heads, D)
+        mono = median_s(lambda: fwd_bwd(*tensors, (-1, -1)))
+    replayed = []
+    for call in calls:
+        qs, ks = call[1], call[2]
+        replayed.append((rand(*qs), rand(*ks), rand(*ks), rand(*qs), call[-1], call[3] if call[0] == "varlen" else None))
 
     def replay() -> None:
-        for q_b, k_b, v_b, d_b, c in blocks:
-            _kernel_fwd_bwd(backend, q_b, k_b, v_b, d_b, c, scale)
+        for q_b, k_b, v_b, d_b, window, packing in replayed:
+            fwd_bwd(q_b, k_b, v_b, d_b, window, packing)
 
-    replay_s = _seconds(replay, device, p["iters"], False)[0]
+    backend.reset()
+    replay_s = median_s(replay)
+    backend.reset()
     return {
-        "kernel_pairs": pairs, "monolithic_seq_len": s_eq, "monolithic_ms": 1e3 * mono,
+        "monolithic_seq_len": s_eq, "monolithic_ms": None if mono is None else 1e3 * mono,
         "replay_ms": 1e3 * replay_s,
-        "kernel_efficiency": mono / in_ring_s if in_ring_s else None,
-        "replay_efficiency": mono / replay_s if replay_s else None,
+        "kernel_efficiency": mono / in_ring_s if mono and in_ring_s else None,
+        "replay_efficiency": mono / replay_s if mono and replay_s else None,
     }
 
 
@@ -237,7 +418,11 @@ def _kernel_efficiency(
 # Driver
 
 
-def _configs(world: int) -> list[tuple[str, int, int]]:
+def _configs(world: int, ring: int | None, ulysses: int | None) -> list[tuple[str, int, int]]:
+    if ring is not None or ulysses is not None:
+        R, U = ring or 1, ulysses or 1
+        name = "ring" if U == 1 else "ulysses" if R == 1 else "hybrid"
+        return [(name, R, U)]
     out = [("ulysses", 1, world), ("ring", world, 1)]
     hybrid = [(r, world // r) for r in range(2, world) if world % r == 0]
     if hybrid:
@@ -246,73 +431,156 @@ def _configs(world: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def _summarise(p: dict, single: dict, per_rank: list[list[dict]], world: int, cores: int) -> dict:
-    configs = []
-    for i, rows in enumerate(zip(*per_rank)):
-        first = rows[0]
-        entry = {
-            "config": first["config"], "ring": first["ring"], "ulysses": first["ulysses"],
-            "time_ms": first["time_ms"],  # already the slowest rank's, per iteration
-            "min_time_ms": first["min_time_ms"],
-            "speedup_vs_single": single["time_ms"] / first["time_ms"],
-            "speedup_vs_single_min": single["min_time_ms"] / first["min_time_ms"],
-            "peak_bytes_per_rank": [r["peak_bytes"] for r in rows],
-            "peak_vs_single": max(r["peak_bytes"] for r in rows) / max(1, single["peak_bytes"]),
-            "maxrss_bytes_per_rank": [r["maxrss_bytes"] for r in rows],
-            "kernel_ms_per_rank": [r["kernel_ms"] for r in rows],
-        }
-        if "kernel_efficiency" in first:
-            for key in ("kernel_efficiency", "replay_efficiency", "monolithic_ms", "replay_ms",
-                        "monolithic_seq_len", "kernel_pairs"):
-                entry[key + "_per_rank"] = [r[key] for r in rows]
-        configs.append(entry)
-    return {
-        "problem": p, "world": world, "cpu_cores": cores, "device": p["device"],
-        "memory_method": "cuda.max_memory_allocated" if p["device"] == "cuda"
-        else "TorchDispatchMode live-storage peak (op outputs; excludes kernel scratch)",
-        "single_device": single, "configs": configs,
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _summarise(p: dict, single: list[dict] | None, per_rank: list[list[dict]], configs, world: int) -> dict:
+    masks = _masks(p)
+    entries = []
+    rows_by_key: dict[tuple[str, str], list[dict]] = {}
+    for rank_rows in per_rank:
+        for row in rank_rows:
+            rows_by_key.setdefault((row["config"], row["mask"]), []).append(row)
+    for name, R, U in configs:
+        for m, (label, kw) in enumerate(masks):
+            rows = rows_by_key[(name, label)][: R * U]  # one CP group
+            first = rows[0]
+            plan = plan_figures(p, R, U, kw)
+            kernel_ms = [r["kernel_ms"] for r in rows]
+            entry = {
+                "config": name, "ring": R, "ulysses": U, "mask": label, "mask_plan": plan["mask"],
+                "time_ms": first["time_ms"],  # already the slowest rank's, per iteration
+                "min_time_ms": first["min_time_ms"], "times_ms": first["times_ms"],
+                "kernel_ms_per_rank": kernel_ms,
+                "kernel_calls_per_rank": [r["kernel_calls"] for r in rows],
+                "ring_bytes_sent_measured_per_rank": [[r["ring_bytes_sent_fwd"], r["ring_bytes_sent_bwd"]] for r in rows],
+                # fwd+bwd kernel wall time per attended (query, key, head) triple, slowest rank.
+                "kernel_ns_per_pair": max(1e6 * k / max(1, f["pairs"]) for k, f in zip(kernel_ms, plan["per_rank"])),
+                "plan": plan,
+            }
+            if single is not None:
+                entry["speedup_vs_single"] = single[m]["time_ms"] / first["time_ms"]
+            if "peak_bytes" in first:
+                entry["peak_bytes_per_rank"] = [r["peak_bytes"] for r in rows]
+                entry["maxrss_bytes_per_rank"] = [r["maxrss_bytes"] for r in rows]
+                if single is not None and single[m].get("peak_bytes"):
+                    entry["peak_vs_single"] = max(r["peak_bytes"] for r in rows) / single[m]["peak_bytes"]
+            if "replay_ms" in first:
+                for key in ("kernel_efficiency", "replay_efficiency", "monolithic_ms", "replay_ms", "monolithic_seq_len"):
+                    entry[key + "_per_rank"] = [r[key] for r in rows]
+            entries.append(entry)
+    report = {"problem": p, "world": world, "single_device": single, "configs": entries}
+    if p["window"] is not None:
+        report["window_vs_full"] = [_window_ratios(entries[i], entries[i + 1]) for i in range(0, len(entries), 2)]
+    return report
+
+
+def _window_ratios(full: dict, win: dict) -> dict:
+    """window/full ratios of one configuration."""
+    pf, pw = full["plan"], win["plan"]
+    out = {
+        "config": full["config"], "ring": full["ring"], "ulysses": full["ulysses"],
+        "fwd_flops_ratio_max_rank": _ratio(pw["fwd_flops_max"], pf["fwd_flops_max"]),
+        "pairs_ratio_total": _ratio(pw["pairs_total"], pf["pairs_total"]),
+        "ring_kv_bytes_fwd_ratio_max_rank": _ratio(pw["ring_kv_bytes_fwd_max"], pf["ring_kv_bytes_fwd_max"]),
+        "ring_kv_bytes_fwd_ratio_total": _ratio(pw["ring_kv_bytes_fwd_total"], pf["ring_kv_bytes_fwd_total"]),
+        "ring_bytes_fwd_bwd_ratio_max_rank": _ratio(pw["ring_bytes_fwd_bwd_max"], pf["ring_bytes_fwd_bwd_max"]),
+        "time_ratio": _ratio(win["time_ms"], full["time_ms"]),
+        "kernel_time_ratio_max_rank": _ratio(max(win["kernel_ms_per_rank"]), max(full["kernel_ms_per_rank"])),
+        "kernel_ns_per_pair_full": full["kernel_ns_per_pair"],
+        "kernel_ns_per_pair_window": win["kernel_ns_per_pair"],
     }
+    # The issue's targets: bytes sent <= 1/3 and time <= 0.4 of full causal.
+    b, t = out["ring_kv_bytes_fwd_ratio_max_rank"], out["time_ratio"]
+    out["meets_bytes_target_1_3"] = None if b is None else b <= 1 / 3
+    out["meets_time_target_0_4"] = None if t is None else t <= 0.4
+    return out
 
 
-def _print_table(summary: dict) -> None:
-    p, single = summary["problem"], summary["single_device"]
+def _fmt(x: float | None, spec: str = ".3f") -> str | None:
+    return None if x is None else format(x, spec)
+
+
+def _text(report: dict) -> str:
+    p, single = report["problem"], report["single_device"]
     mib = 1 / 2**20
-    print(
-        f"\nB={p['batch']} S={p['seq_len']} H={p['heads']} Hkv={p['kv_heads']} D={p['head_dim']} "
-        f"{p['dtype']} causal={p['causal']} backend={p['backend']} on {summary['world']} ranks "
-        f"({summary['device']}, {summary['cpu_cores']} CPU cores); memory: {summary['memory_method']}"
+    head = (
+        f"B={p['batch']} S={p['seq_len']} H={p['heads']} Hkv={p['kv_heads']} D={p['head_dim']} {p['dtype']} "
+        f"backend={p['backend']} on {report['world']} ranks ({p['device']}, {p['cpu_cores']} usable CPU "
+        f"cores, {p['threads_per_rank']} thread(s) per rank), median of {p['iters']} fwd+bwd iterations"
     )
-    cols = [("config", 10), ("R x U", 7), ("median ms", 11), ("min ms", 9), ("speedup", 9),
-            ("peak MiB/rank", 15), ("peak/single", 13), ("kernel eff", 12), ("replay eff", 12)]
+    cols = ["config", "mask", "R x U", "median ms", "min ms", "kernel ms", "ns/pair", "fwd GFLOP",
+            "ring KV MiB fwd", "ring MiB f+b", "pairs max/mean"]
+    if single is not None:
+        cols.append("speedup")
+    if p["memory"]:
+        cols += ["peak MiB/rank", "peak/single"]
+    if p["efficiency"]:
+        cols += ["kernel eff", "replay eff"]
 
-    def row(*values: object) -> str:
-        return "".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}" for i, (v, (_, w)) in enumerate(zip(values, cols)))
-
-    def span(values: list | None) -> str:
+    def span(values: list | None) -> str | None:
         values = [v for v in values or [] if v is not None]
-        return f"{min(values):.2f}-{max(values):.2f}" if values else ""
+        return f"{min(values):.2f}-{max(values):.2f}" if values else None
 
-    print(row(*(name for name, _ in cols)))
-    print("-" * sum(w for _, w in cols))
-    print(row("single", "1 x 1", f"{single['time_ms']:.1f}", f"{single['min_time_ms']:.1f}", "1.00",
-              f"{single['peak_bytes'] * mib:.1f}", "1.00", "", ""))
-    for c in summary["configs"]:
-        print(row(
-            c["config"], f"{c['ring']} x {c['ulysses']}", f"{c['time_ms']:.1f}", f"{c['min_time_ms']:.1f}",
-            f"{c['speedup_vs_single']:.2f}", f"{max(c['peak_bytes_per_rank']) * mib:.1f}",
-            f"{c['peak_vs_single']:.2f}", span(c.get("kernel_efficiency_per_rank")),
-            span(c.get("replay_efficiency_per_rank")),
-        ))
-    if summary["world"] > summary["cpu_cores"] and summary["device"] == "cpu":
-        print(f"note: {summary['world']} ranks share {summary['cpu_cores']} cores; times include time-sharing")
-    print("speedup = single median / config median (slowest rank per iteration); kernel eff = one "
-          "equal-FLOP kernel call / the ring's kernel calls on that rank (min-max over ranks); replay "
-          "eff = the same with the ring's blocks replayed outside the ring")
+    rows = []
+    if single is not None:
+        for (label, _), s in zip(_masks(p), single):
+            row = ["single", label, "1 x 1", f"{s['time_ms']:.1f}", f"{s['min_time_ms']:.1f}", None, None,
+                   None, None, None, None, "1.00"]
+            if p["memory"]:
+                row += [_fmt(s.get("peak_bytes", 0) * mib, ".1f"), "1.00"]
+            if p["efficiency"]:
+                row += [None, None]
+            rows.append(row)
+    for c in report["configs"]:
+        pl = c["plan"]
+        row = [
+            c["config"], c["mask"], f"{c['ring']} x {c['ulysses']}", f"{c['time_ms']:.1f}", f"{c['min_time_ms']:.1f}",
+            f"{max(c['kernel_ms_per_rank']):.1f}", f"{c['kernel_ns_per_pair']:.2f}",
+            f"{pl['fwd_flops_max'] / 1e9:.2f}", f"{pl['ring_kv_bytes_fwd_max'] * mib:.2f}",
+            f"{pl['ring_bytes_fwd_bwd_max'] * mib:.2f}", f"{pl['pairs_max_over_mean']:.3f}",
+        ]
+        if single is not None:
+            row.append(_fmt(c.get("speedup_vs_single"), ".2f"))
+        if p["memory"]:
+            row += [f"{max(c['peak_bytes_per_rank']) * mib:.1f}", _fmt(c.get("peak_vs_single"), ".2f")]
+        if p["efficiency"]:
+            row += [span(c.get("kernel_efficiency_per_rank")), span(c.get("replay_efficiency_per_rank"))]
+        rows.append(row)
+    legend = (
+        "per rank, slowest rank shown: kernel ms = the ring's kernel calls (fwd+bwd); ns/pair = kernel ms per "
+        "attended (query, key, head) triple; fwd GFLOP = 4*D*pairs; ring KV MiB fwd = K/V rows sent around "
+        "the ring in the forward; ring MiB f+b adds the backward's K/V and dK/dV (fp32 accumulators)"
+    )
+    parts = [head, table(cols, rows), legend]
+    if p["efficiency"]:
+        parts.append("kernel eff = one equal-FLOP non-causal kernel call / the ring's kernel calls (min-max over "
+                     "ranks); replay eff = the same with the ring's calls replayed outside the ring")
+    if report.get("window_vs_full"):
+        wcols = ["config", "R x U", "FLOPs w/f", "pairs w/f (all)", "KV bytes w/f", "KV bytes w/f (all)",
+                 "f+b bytes w/f", "time w/f", "kernel time w/f", "ns/pair full", "ns/pair window",
+                 "bytes<=1/3", "time<=0.4"]
+        wrows = [[
+            w["config"], f"{w['ring']} x {w['ulysses']}", _fmt(w["fwd_flops_ratio_max_rank"]),
+            _fmt(w["pairs_ratio_total"]), _fmt(w["ring_kv_bytes_fwd_ratio_max_rank"]),
+            _fmt(w["ring_kv_bytes_fwd_ratio_total"]), _fmt(w["ring_bytes_fwd_bwd_ratio_max_rank"]),
+            _fmt(w["time_ratio"]), _fmt(w["kernel_time_ratio_max_rank"]), _fmt(w["kernel_ns_per_pair_full"], ".2f"),
+            _fmt(w["kernel_ns_per_pair_window"], ".2f"),
+            {True: "yes", False: "NO", None: None}[w["meets_bytes_target_1_3"]],
+            {True: "yes", False: "NO", None: None}[w["meets_time_target_0_4"]],
+        ] for w in report["window_vs_full"]]
+        title = (f"window ({p['window']}, 0) / full causal, same tensors, iterations interleaved "
+                 "(max rank unless '(all)': sum over ranks):")
+        parts += ["", title, table(wcols, wrows)]
+    return "\n".join(parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4, help="CPU ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--world", type=int, default=4, help="CPU ranks to spawn (default 4, or R*U with --ring/--ulysses)")
+    parser.add_argument("--ring", type=int, default=None, help="measure only ring size R (with --ulysses, default 1)")
+    parser.add_argument("--ulysses", type=int, default=None, help="measure only Ulysses size U (with --ring, default 1)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
@@ -320,52 +588,106 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="compare causal window (W, 0) with full causal attention (implies --causal)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the JSON summary to this file")
+    parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the single-device baseline (default: on, off with --window)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure peak memory in an extra iteration (default: on, off with --window)")
+    parser.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure the ring's kernel efficiency (default: on, off with --window)")
+    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
     args = parser.parse_args()
 
-    torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.window is not None:
+        if args.window < 0:
+            raise SystemExit(f"--window must be >= 0 (the number of earlier keys a query sees), got {args.window}")
+        if args.window >= args.seq_len - 1:
+            raise SystemExit(
+                f"--window {args.window} >= --seq-len - 1 = {args.seq_len - 1}: the window masks nothing, "
+                "windowed and full causal attention are the same computation; pick W < S - 1"
+            )
+    if args.iters < 1:
+        raise SystemExit(f"--iters must be >= 1, got {args.iters}")
+    torchrun = under_torchrun()
     device = "cuda" if torchrun and torch.cuda.is_available() else "cpu"
+    compare = args.window is not None
     p = {
         "batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
         "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
         "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-        "causal": args.causal, "backend": args.backend, "iters": args.iters, "seed": args.seed,
-        "device": device,
+        "causal": args.causal or compare, "window": args.window, "backend": args.backend,
+        "iters": args.iters, "warmup": args.warmup, "seed": args.seed, "device": device,
+        "memory": not compare if args.memory is None else args.memory,
+        "efficiency": not compare if args.efficiency is None else args.efficiency,
+        "cpu_cores": usable_cores(), "threads_per_rank": 1,
     }
-    cores = os.cpu_count() or 1
+    run_single = not compare if args.single is None else args.single
 
     if torchrun:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
         world = dist.get_world_size()
+        p["threads_per_rank"] = torch.get_num_threads()
+        configs = _configs(world, args.ring, args.ulysses)
         # Every rank runs the baseline at once (one GPU each), then the configurations.
-        single = single_device(p, torch.device(device))
-        rows = bench_rank(p, _configs(world))
+        single = single_device(p, torch.device(device)) if run_single else None
+        rows = bench_rank(p, configs)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, rows)
-        if dist.get_rank() == 0:
-            summary = _summarise(p, single, gathered, world, cores)
         dist.destroy_process_group()
         if int(os.environ.get("RANK", "0")) != 0:
             return
     else:
         from seqpar.testing import DistPool
 
-        world = args.world
+        if args.ring is not None or args.ulysses is not None:
+            world = (args.ring or 1) * (args.ulysses or 1)
+        else:
+            world = args.world
+        configs = _configs(world, args.ring, args.ulysses)
         torch.set_num_threads(1)  # as each rank (DistPool sets one thread per rank)
-        single = single_device(p, torch.device("cpu"))
-        with DistPool(world, timeout_s=600) as pool:
-            gathered = pool.run(bench_rank, p, _configs(world))
-        summary = _summarise(p, single, gathered, world, cores)
-    print(json.dumps(summary, indent=1))
-    _print_table(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        single = single_device(p, torch.device("cpu")) if run_single else None
+        with DistPool(world, timeout_s=3600) as pool:
+            gathered = pool.run(bench_rank, p, configs)
+    report = _summarise(p, single, gathered, configs, world)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+    notes = [
+        time_sharing_warning(ranks_per_node * p["threads_per_rank"], p["cpu_cores"], device),
+        few_iterations_warning(args.iters),
+    ]
+    if compare:
+        notes.append(
+            "window mode: both masks run on the same tensors and ranks, iterations interleaved; their time "
+            "ratio is comparable even when ranks time-share cores (it is not a per-rank speed)"
+        )
+    if single is not None and device == "cpu" and world > p["cpu_cores"]:
+        notes.append("speedup vs single: the single-device baseline runs alone on one thread while the "
+                     f"{world} ranks share {p['cpu_cores']} core(s); it is not a parallel speedup")
+    notes.append(_bytes_check(report))
+    emit(report, _text(report), notes, args.json)
+
+
+def _bytes_check(report: dict) -> str:
+    """Whether the plan's ring bytes match the bytes measured at the ring's sends on every rank."""
+    bad, unmeasured = [], False
+    for c in report["configs"]:
+        for cp, (plan, measured) in enumerate(zip(c["plan"]["per_rank"], c["ring_bytes_sent_measured_per_rank"])):
+            if None in measured:
+                unmeasured = True
+            elif measured != [plan["ring_kv_bytes_fwd"], plan["ring_bytes_bwd"]]:
+                bad.append(f"{c['config']} {c['mask']} cp rank {cp}: plan fwd/bwd "
+                           f"{plan['ring_kv_bytes_fwd']}/{plan['ring_bytes_bwd']}, measured {measured[0]}/{measured[1]}")
+    if bad:
+        return "WARNING: ring bytes from the plan differ from the bytes sent: " + "; ".join(bad)
+    if unmeasured:
+        return "ring bytes: plan figures only (seqpar.parallel.ring has no post() to count sends at)"
+    return "ring bytes: the plan's figures equal the bytes every rank handed to the ring's sends (fwd and bwd)"
 
 
 if __name__ == "__main__":

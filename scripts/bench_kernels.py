@@ -1,6 +1,6 @@
-"""Benchmark a backend's varlen path against dense calls doing the same FLOPs.
+"""Benchmark a backend's varlen and sliding-window paths against dense calls doing the same FLOPs.
 
-For each packing scenario the varlen forward (and forward + backward) time is compared with
+Varlen: for each packing scenario the varlen forward (and forward + backward) time is compared with
 
 - ``1xS``: one dense ``[1, S_eq, H, D]`` call, ``S_eq = sqrt(sum(len_q * len_k))`` (equal FLOPs,
   same causal flag);
@@ -9,10 +9,21 @@ For each packing scenario the varlen forward (and forward + backward) time is co
   costs for sequences that short, so ``varlen / nxL`` is the packing overhead);
 - ``loop``: one dense call per sequence.
 
+Windows (``--windows S:W,...``): one dense ``[1, S, H, D]`` block with the causal sliding window
+``(W, 0)`` (query ``i`` sees keys ``i-W .. i``), against
+
+- ``eq``: a non-causal ``[1, S_eq, H, D]`` call with ``S_eq^2`` = the window's attended pairs
+  (equal useful FLOPs): ``window / eq`` is the cost of the windowed path per attended pair;
+- ``causal``: plain causal attention over the same ``S`` (what the window should save).
+
 Times are the minimum over repeated runs (robust to other processes on the machine).
 
     python scripts/bench_kernels.py                      # CPU backend, fp32 and bf16
     python scripts/bench_kernels.py --dtype bfloat16 --threads 1
+    python scripts/bench_kernels.py --dtype float32 --windows 16384:4096 --no-varlen
+
+Output: the tables, then the whole report as one JSON line (last line); ``--json PATH`` also
+writes it to a file.
 """
 
 from __future__ import annotations
@@ -22,12 +33,18 @@ import functools
 import itertools
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from seqpar.backends import get_backend
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import emit, table, usable_cores  # noqa: E402
+
+from seqpar.backends import get_backend  # noqa: E402
 
 
 def _best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -58,6 +75,81 @@ def _scenarios(seed: int) -> dict[str, list[int]]:
     }
 
 
+def _parse_windows(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        try:
+            s, w = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise SystemExit(f"--windows: expected items like 8192:1024 (seq_len:window), got {item!r}") from None
+        if not 0 <= w < s - 1:
+            raise SystemExit(f"--windows: {item!r}: need 0 <= W < S - 1 (a window that masks something)")
+        out.append((s, w))
+    return out
+
+
+def _rand(device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def _dense(backend, args: tuple[torch.Tensor, ...], bwd: bool, causal: bool, scale: float,
+           window: tuple[int, int] = (-1, -1)) -> None:
+    out, lse = backend.forward(*args[:3], causal=causal, scale=scale, window=window)
+    if bwd:
+        backend.backward(args[3], *args[:3], out, lse, causal=causal, scale=scale, window=window)
+
+
+def _bench_varlen(name: str, device: torch.device, dtype: torch.dtype, lens: list[int],
+                  causal: bool, h: int, hkv: int, d: int, rounds: int) -> dict[str, float]:
+    backend = get_backend(name, device, dtype)
+    scale = d**-0.5
+    rand = functools.partial(_rand, device, dtype)
+    total, longest = sum(lens), max(lens)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+    q, k, v, dout = rand(total, h, d), rand(total, hkv, d), rand(total, hkv, d), rand(total, h, d)
+    s_eq = round(math.sqrt(sum(n * n for n in lens)))
+    l_rms = round(math.sqrt(sum(n * n for n in lens) / len(lens)))
+    one = (rand(1, s_eq, h, d), rand(1, s_eq, hkv, d), rand(1, s_eq, hkv, d), rand(1, s_eq, h, d))
+    bat = tuple(rand(len(lens), l_rms, hh, d) for hh in (h, hkv, hkv, h))
+    pieces = [(q[None, a:b], k[None, a:b], v[None, a:b], dout[None, a:b])
+              for a, b in itertools.pairwise(cu.tolist())]
+
+    def varlen(bwd: bool) -> None:
+        out, lse = backend.varlen_forward(q, k, v, cu, cu, longest, longest, causal=causal, scale=scale)
+        if bwd:
+            backend.varlen_backward(dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal, scale=scale)
+
+    dense = functools.partial(_dense, backend, causal=causal, scale=scale)
+    fns: dict[str, Callable[[], object]] = {}
+    for p, bwd in (("f", False), ("b", True)):
+        fns["var" + p] = functools.partial(varlen, bwd)
+        fns["one" + p] = functools.partial(dense, one, bwd)
+        fns["bat" + p] = functools.partial(dense, bat, bwd)
+        fns["loop" + p] = functools.partial(lambda b: [dense(x, b) for x in pieces], bwd)
+    return _best_times(fns, rounds)
+
+
+def _window_pairs(s: int, w: int) -> int:
+    """Attended (query, key) pairs of causal window ``(w, 0)`` over ``s`` tokens, per head."""
+    return s * (w + 1) - w * (w + 1) // 2  # sum over i of min(i, w) + 1
+
+
+def _bench_window(name: str, device: torch.device, dtype: torch.dtype, s: int, w: int,
+                  h: int, hkv: int, d: int, rounds: int) -> dict[str, float]:
+    backend = get_backend(name, device, dtype, window=True)
+    scale = d**-0.5
+    rand = functools.partial(_rand, device, dtype)
+    s_eq = round(math.sqrt(_window_pairs(s, w)))
+    full = (rand(1, s, h, d), rand(1, s, hkv, d), rand(1, s, hkv, d), rand(1, s, h, d))
+    eq = (rand(1, s_eq, h, d), rand(1, s_eq, hkv, d), rand(1, s_eq, hkv, d), rand(1, s_eq, h, d))
+    fns: dict[str, Callable[[], object]] = {}
+    for p, bwd in (("f", False), ("b", True)):
+        fns["win" + p] = functools.partial(_dense, backend, full, bwd, True, scale, (w, 0))
+        fns["eq" + p] = functools.partial(_dense, backend, eq, bwd, False, scale)
+        fns["cau" + p] = functools.partial(_dense, backend, full, bwd, True, scale)
+    return _best_times(fns, rounds) | {"s_eq": s_eq}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="cpu")
@@ -69,70 +161,81 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the varlen scenarios (default on)")
+    parser.add_argument("--windows", default="4096:512,8192:1024",
+                        help="S:W causal sliding-window blocks to time ('' for none)")
+    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    windows = _parse_windows(args.windows)
 
     dtypes = [getattr(torch, args.dtype)] if args.dtype else [torch.float32, torch.bfloat16]
     device = torch.device(args.device)
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
-    print(f"backend={args.backend} device={device} H={h} Hkv={hkv} D={d} "
-          f"threads={torch.get_num_threads()}; times in ms (min of {args.rounds} runs)")
-    print(f"{'dtype':8} {'scenario':25} {'causal':6} "
-          f"{'fwd':>7} {'1xS':>6} {'nxL':>6} {'loop':>7} {'/1xS':>5} {'/nxL':>5} | "
-          f"{'f+b':>7} {'1xS':>6} {'nxL':>6} {'loop':>7} {'/1xS':>5} {'/nxL':>5}")
-    for dtype, (label, lens), causal in itertools.product(
-        dtypes, _scenarios(args.seed).items(), (False, True)
-    ):
-        t = _bench_one(args.backend, device, dtype, lens, causal, h, hkv, d, args.rounds)
-        row = [f"{str(dtype)[6:]:8} {label:25} {str(causal):6}"]
-        for p in ("f", "b"):
-            row.append(
-                f"{t['var' + p]:7.2f} {t['one' + p]:6.2f} {t['bat' + p]:6.2f} {t['loop' + p]:7.1f} "
-                f"{t['var' + p] / t['one' + p]:5.2f} {t['var' + p] / t['bat' + p]:5.2f}"
-            )
-        print(" | ".join(row).replace("  | ", " | "))
+    settings = {
+        "backend": args.backend, "device": str(device), "heads": h, "kv_heads": hkv, "head_dim": d,
+        "threads": torch.get_num_threads(), "cpu_cores": usable_cores(), "rounds": args.rounds,
+        "time": "minimum over rounds, ms",
+    }
+    varlen_rows, window_rows = [], []
+    if args.varlen:
+        for dtype, (label, lens), causal in itertools.product(dtypes, _scenarios(args.seed).items(), (False, True)):
+            t = _bench_varlen(args.backend, device, dtype, lens, causal, h, hkv, d, args.rounds)
+            row = {"dtype": str(dtype)[6:], "scenario": label, "sequences": len(lens), "tokens": sum(lens), "causal": causal}
+            for p, phase in (("f", "fwd"), ("b", "fwd_bwd")):
+                row[phase] = {
+                    "varlen_ms": t["var" + p], "one_dense_ms": t["one" + p], "batched_dense_ms": t["bat" + p],
+                    "loop_ms": t["loop" + p], "varlen_over_one": t["var" + p] / t["one" + p],
+                    "varlen_over_batched": t["var" + p] / t["bat" + p],
+                }
+            varlen_rows.append(row)
+    for dtype, (s, w) in itertools.product(dtypes, windows):
+        t = _bench_window(args.backend, device, dtype, s, w, h, hkv, d, args.rounds)
+        row = {"dtype": str(dtype)[6:], "seq_len": s, "window": w, "pairs_per_head": _window_pairs(s, w),
+               "equal_pairs_seq_len": t["s_eq"]}
+        for p, phase in (("f", "fwd"), ("b", "fwd_bwd")):
+            row[phase] = {
+                "window_ms": t["win" + p], "equal_pairs_dense_ms": t["eq" + p], "causal_ms": t["cau" + p],
+                "window_over_equal_pairs": t["win" + p] / t["eq" + p], "window_over_causal": t["win" + p] / t["cau" + p],
+            }
+        window_rows.append(row)
 
+    parts = [(f"backend={args.backend} device={device} H={h} Hkv={hkv} D={d} threads={torch.get_num_threads()}; "
+              f"times in ms (min of {args.rounds} runs)")]
+    if varlen_rows:
+        cols = ["dtype", "scenario", "causal"] + [f"{p} {c}" for p in ("fwd", "f+b")
+                                                  for c in ("varlen", "1xS", "nxL", "loop", "/1xS", "/nxL")]
+        rows = []
+        for r in varlen_rows:
+            cells = [r["dtype"], r["scenario"], r["causal"]]
+            for phase in ("fwd", "fwd_bwd"):
+                x = r[phase]
+                cells += [f"{x['varlen_ms']:.2f}", f"{x['one_dense_ms']:.2f}", f"{x['batched_dense_ms']:.2f}",
+                          f"{x['loop_ms']:.1f}", f"{x['varlen_over_one']:.2f}", f"{x['varlen_over_batched']:.2f}"]
+            rows.append(cells)
+        parts += ["", "varlen vs dense calls of equal FLOPs:", table(cols, rows)]
+    if window_rows:
+        cols = ["dtype", "S", "W", "S_eq"] + [f"{p} {c}" for p in ("fwd", "f+b")
+                                              for c in ("window", "eq", "causal", "/eq", "/causal")]
+        rows = []
+        for r in window_rows:
+            cells = [r["dtype"], r["seq_len"], r["window"], r["equal_pairs_seq_len"]]
+            for phase in ("fwd", "fwd_bwd"):
+                x = r[phase]
+                cells += [f"{x['window_ms']:.1f}", f"{x['equal_pairs_dense_ms']:.1f}", f"{x['causal_ms']:.1f}",
+                          f"{x['window_over_equal_pairs']:.2f}", f"{x['window_over_causal']:.3f}"]
+            rows.append(cells)
+        title = ("causal window (W, 0) block vs a non-causal call of equal attended pairs (eq) and plain "
+                 "causal over S:")
+        parts += ["", title, table(cols, rows)]
+    notes = []
+    if torch.get_num_threads() > usable_cores():
+        notes.append(f"WARNING: {torch.get_num_threads()} threads on {usable_cores()} usable core(s): "
+                     "kernels time-share; pass --threads")
+    emit({"settings": settings, "varlen": varlen_rows, "windows": window_rows}, "\n".join(parts), notes, args.json)
 
-def _bench_one(name: str, device: torch.device, dtype: torch.dtype, lens: list[int],
-               causal: bool, h: int, hkv: int, d: int, rounds: int) -> dict[str, float]:
-    backend = get_backend(name, device, dtype)
-    scale = d**-0.5
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, dtype=dtype, device=device)
-
-    total, longest = sum(lens), max(lens)
-    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-    q, k, v, dout = rand(total, h, d), rand(total, hkv, d), rand(total, hkv, d), rand(total, h, d)
-    s_eq = round(math.sqrt(sum(n * n for n in lens)))
-    l_rms = round(math.sqrt(sum(n * n for n in lens) / len(lens)))
-    one = (rand(1, s_eq, h, d), rand(1, s_eq, hkv, d), rand(1, s_eq, hkv, d), rand(1, s_eq, h, d))
-    bat = tuple(rand(len(lens), l_rms, hh, d) for hh in (h, hkv, hkv, h))
-    pieces = [(q[None, a:b], k[None, a:b], v[None, a:b], dout[None, a:b])
-              for a, b in itertools.pairwise(cu.tolist())]
-
-    def dense(args: tuple[torch.Tensor, ...], bwd: bool) -> None:
-        out, lse = backend.forward(*args[:3], causal=causal, scale=scale)
-        if bwd:
-            backend.backward(args[3], *args[:3], out, lse, causal=causal, scale=scale)
-
-    def varlen(bwd: bool) -> None:
-        out, lse = backend.varlen_forward(
-            q, k, v, cu, cu, longest, longest, causal=causal, scale=scale
-        )
-        if bwd:
-            backend.varlen_backward(
-                dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal, scale=scale
-            )
-
-    fns: dict[str, Callable[[], object]] = {}
-    for p, bwd in (("f", False), ("b", True)):
-        fns["var" + p] = functools.partial(varlen, bwd)
-        fns["one" + p] = functools.partial(dense, one, bwd)
-        fns["bat" + p] = functools.partial(dense, bat, bwd)
-        fns["loop" + p] = functools.partial(lambda b: [dense(x, b) for x in pieces], bwd)
-    return _best_times(fns, rounds)
 
 if __name__ == "__main__":
     main()

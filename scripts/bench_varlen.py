@@ -4,20 +4,36 @@ For a long-tailed mix of document lengths (log-normal, packed into one ``--total
 and each ``RxU`` configuration (ring x Ulysses), every rank times ``seqpar.varlen_attention`` on
 its ``shard_packed`` shard, forward and forward+backward, and reports its peak memory; the same
 attention is run unsharded (one process, ``ParallelState()``) as the baseline. The attention work
-per rank (``seqpar.varlen.varlen_work``, (query, key, head) triples) gives the balance that the
-timings should follow.
+per rank (``seqpar.placement.attention_work``: attended (query, key, head) triples) gives the
+balance that the timings should follow.
+
+Work balance is also printed, without timing (host maths on the placement and the ring plan),
+for realistic mixes -- 1000 documents of 1..64 tokens, one 60k-token document with 300 of 200
+tokens, 64 equal documents, and the timed mix -- over the ``--balance-configs``:
+
+- ``ring max/mean``: the attended (query, key) pairs of each ring rank (per head), max / mean --
+  what the placement (zig-zag per sequence, remainders rotated) balances;
+- ``cp max/mean``: the same per CP rank with the ``--heads`` query heads split over Ulysses as
+  the all-to-all splits them (``split_sizes(H, U)``): adds the head-split imbalance when ``U``
+  does not divide ``H``;
+- ``tokens max/mean``: local tokens per CP rank.
 
 Two launchers:
 
 - default: a local gloo pool of ``--world`` CPU processes (``seqpar.testing.DistPool``), one
   thread each, the baseline in the parent with one thread. On a machine with fewer cores than
-  ranks the per-rank times include oversubscription; work balance does not depend on it.
+  ranks the per-rank times include time-sharing (the output warns); work balance does not
+  depend on it.
 - ``torchrun --nproc-per-node N scripts/bench_varlen.py --device cuda ...``: one process per
-  GPU with NCCL (rank 0 prints and writes the JSON; the baseline runs on rank 0's device).
+  GPU with NCCL (rank 0 prints; the baseline runs on rank 0's device).
+
+Output: the tables, notes and warnings, then the whole report as one JSON line (last line);
+``--json PATH`` also writes it to a file.
 
 Examples::
 
     python scripts/bench_varlen.py                          # ~1-2 min on 2 cores
+    python scripts/bench_varlen.py --balance-only           # balance tables only, seconds
     python scripts/bench_varlen.py --total 131072 --heads 8 --head-dim 64 --world 8 \\
         --configs 8x1,4x2,2x4,1x8 --json out.json
 """
@@ -25,7 +41,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -37,10 +52,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import (  # noqa: E402
+    emit,
+    few_iterations_warning,
+    parse_configs,
+    table,
+    time_sharing_warning,
+    under_torchrun,
+    usable_cores,
+)
 
 import seqpar  # noqa: E402
+from seqpar.placement import Mask, Placement, attention_work, imbalance, split_sizes  # noqa: E402
 from seqpar.profiling import PeakMemory, iteration_seconds  # noqa: E402
-from seqpar.varlen import varlen_work  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,21 +143,37 @@ def _pool_rank(cfg: dict, R: int, U: int) -> dict:
     return measure(cfg, state, torch.device("cpu"), together=True)
 
 
-def _parse_configs(text: str) -> list[tuple[int, int]]:
-    out = []
-    for item in text.split(","):
-        try:
-            r, u = (int(x) for x in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--configs: expected items like 2x2 (ring x ulysses), got {item!r}") from None
-        out.append((r, u))
-    return out
+def realistic_mixes(timed: list[int], seed: int) -> dict[str, list[int]]:
+    """The document-length mixes whose work balance is reported (the timed mix last)."""
+    rng = random.Random(seed)
+    return {
+        "1000 docs of 1..64": [rng.randint(1, 64) for _ in range(1000)],
+        "60000 + 300 x 200": [60000] + [200] * 300,
+        "64 x 1024": [1024] * 64,
+        "timed (log-normal)": timed,
+    }
+
+
+def balance(lens: list[int], R: int, U: int, causal: bool, heads: int) -> dict:
+    """Work and token balance of ``lens`` over ring ``R`` x Ulysses ``U`` (host maths only)."""
+    placement = Placement.packed(lens, R, U)
+    mask = Mask(causal).normalised(max(lens, default=0))
+    per_ring = attention_work(placement, mask)[::U]  # pairs per head of each ring rank
+    # As attention_work(..., num_heads=heads): query heads split over Ulysses like the all-to-all.
+    per_cp = [w * h for w in per_ring for h in split_sizes(heads, U)]
+    tokens = list(placement.shard_lengths)
+    return {
+        "config": f"{R}x{U}", "ring_size": R, "ulysses_size": U,
+        "ring_work_per_rank": per_ring, "ring_max_over_mean": imbalance(per_ring),
+        "cp_work_per_rank": per_cp, "cp_max_over_mean": imbalance(per_cp),
+        "tokens_per_rank": tokens, "tokens_max_over_mean": imbalance(tokens),
+    }
 
 
 def _summarise(R: int, U: int, ranks: list[dict], cfg: dict, base: dict) -> dict:
     cp = R * U
     ranks = ranks[:cp]  # one CP group
-    work = varlen_work(cfg["lens"], (R, U), cfg["causal"], num_heads=cfg["heads"])
+    bal = balance(cfg["lens"], R, U, cfg["causal"], cfg["heads"])
     fb = [r["fwd_bwd_s"] for r in ranks]
     peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
     return {
@@ -139,8 +181,9 @@ def _summarise(R: int, U: int, ranks: list[dict], cfg: dict, base: dict) -> dict
         "ring_size": R,
         "ulysses_size": U,
         "per_rank": ranks,
-        "work_per_rank": work,
-        "work_max_over_mean": max(work) * len(work) / sum(work),
+        "work_per_rank": bal["cp_work_per_rank"],
+        "work_max_over_mean": bal["cp_max_over_mean"],
+        "ring_work_max_over_mean": bal["ring_max_over_mean"],
         "tokens_max_over_mean": max(r["tokens"] for r in ranks) * cp / sum(r["tokens"] for r in ranks),
         "fwd_s_max": max(r["fwd_s"] for r in ranks),
         "fwd_bwd_s_max": max(fb),
@@ -150,30 +193,35 @@ def _summarise(R: int, U: int, ranks: list[dict], cfg: dict, base: dict) -> dict
     }
 
 
-def _table(results: list[dict], base: dict) -> str:
-    head = (
-        f"{'config':>7} {'fwd ms':>9} {'fwd+bwd ms':>11} {'speedup':>8} {'time max/mean':>14} "
-        f"{'work max/mean':>14} {'peak MiB':>9}"
-    )
-    mib = base["peak_bytes"] / 2**20 if base["peak_bytes"] is not None else float("nan")
-    lines = [
-        head,
-        f"{'1 (ref)':>7} {base['fwd_s'] * 1e3:9.1f} {base['fwd_bwd_s'] * 1e3:11.1f} {1.0:8.2f} "
-        f"{'-':>14} {'-':>14} {mib:9.1f}",
-    ]
+def _timing_table(results: list[dict], base: dict) -> str:
+    cols = ["config", "fwd ms", "fwd+bwd ms", "speedup", "time max/mean", "work max/mean", "peak MiB"]
+    mib = None if base["peak_bytes"] is None else f"{base['peak_bytes'] / 2**20:.1f}"
+    rows = [["1 (ref)", f"{base['fwd_s'] * 1e3:.1f}", f"{base['fwd_bwd_s'] * 1e3:.1f}", "1.00", None, None, mib]]
     for r in results:
-        peak = r["peak_mib_max"] if r["peak_mib_max"] is not None else float("nan")
-        lines.append(
-            f"{r['config']:>7} {r['fwd_s_max'] * 1e3:9.1f} {r['fwd_bwd_s_max'] * 1e3:11.1f} "
-            f"{r['speedup_fwd_bwd']:8.2f} {r['time_max_over_mean']:14.3f} "
-            f"{r['work_max_over_mean']:14.4f} {peak:9.1f}"
-        )
-    return "\n".join(lines)
+        rows.append([
+            r["config"], f"{r['fwd_s_max'] * 1e3:.1f}", f"{r['fwd_bwd_s_max'] * 1e3:.1f}",
+            f"{r['speedup_fwd_bwd']:.2f}", f"{r['time_max_over_mean']:.3f}", f"{r['work_max_over_mean']:.4f}",
+            None if r["peak_mib_max"] is None else f"{r['peak_mib_max']:.1f}",
+        ])
+    return table(cols, rows)
+
+
+def _balance_table(balances: dict[str, dict]) -> str:
+    cols = ["mix", "docs", "tokens", "longest", "R x U", "ring max/mean", "cp max/mean", "tokens max/mean"]
+    rows = []
+    for name, entry in balances.items():
+        mix = entry["mix"]
+        for b in entry["configs"]:
+            rows.append([
+                name, mix["sequences"], mix["total"], mix["max"], b["config"], f"{b['ring_max_over_mean']:.4f}",
+                f"{b['cp_max_over_mean']:.4f}", f"{b['tokens_max_over_mean']:.4f}",
+            ])
+    return table(cols, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--total", type=int, default=32768, help="packed tokens per batch (default 32768)")
+    p.add_argument("--total", type=int, default=32768, help="packed tokens of the timed batch (default 32768)")
     p.add_argument("--median", type=int, default=1024, help="median document length")
     p.add_argument("--sigma", type=float, default=1.2, help="log-normal sigma (tail weight)")
     p.add_argument("--heads", type=int, default=4)
@@ -181,24 +229,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
-    p.add_argument("--configs", default="4x1,2x2,1x4", help="comma-separated RxU (ring x ulysses)")
+    p.add_argument("--configs", default="4x1,2x2,1x4", help="timed RxU (ring x ulysses), comma-separated")
+    p.add_argument("--balance-configs", default="2x1,4x1,8x1,2x2,4x2,2x4,1x4",
+                   help="RxU whose work balance is computed for every mix (host maths)")
+    p.add_argument("--balance-only", action="store_true", help="print the balance tables only, no timing")
     p.add_argument("--world", type=int, default=4, help="processes of the local pool")
     p.add_argument("--device", default="cpu", help="cpu, or cuda under torchrun")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--json", type=Path, default=None, help="also write the JSON report here")
     args = p.parse_args(argv)
 
-    configs = _parse_configs(args.configs)
+    configs = parse_configs(args.configs)
     lens = length_mix(args.total, args.median, args.sigma, args.seed)
     cfg = {
         "lens": lens, "causal": args.causal, "heads": args.heads, "kv_heads": args.kv_heads,
         "head_dim": args.head_dim, "dtype": args.dtype, "backend": args.backend,
         "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
     }
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    torchrun = under_torchrun()
     if torchrun:
         device = torch.device(args.device)
         if device.type == "cuda":
@@ -209,49 +260,64 @@ def main(argv: list[str] | None = None) -> None:
     else:
         device, world, rank = torch.device("cpu"), args.world, 0
         torch.set_num_threads(1)  # the same as each pool rank
-    for R, U in configs:
-        if world % (R * U):
-            raise SystemExit(f"--configs: {R}x{U} = {R * U} ranks does not divide the world of {world}")
-
-    base = None
-    if rank == 0:
-        base = measure(cfg, seqpar.ParallelState(), device, together=False)
-    results = []
-    if torchrun:
+    if not args.balance_only:
         for R, U in configs:
-            state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
-            mine = measure(cfg, state, device, together=True)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, mine)
-            if rank == 0:
-                results.append(_summarise(R, U, gathered, cfg, base))
-    else:
-        from seqpar.testing import DistPool
+            if world % (R * U):
+                raise SystemExit(f"--configs: {R}x{U} = {R * U} ranks does not divide the world of {world}")
 
-        with DistPool(world, timeout_s=3600) as pool:
+    base, results = None, []
+    if not args.balance_only:
+        if rank == 0:
+            base = measure(cfg, seqpar.ParallelState(), device, together=False)
+        if torchrun:
             for R, U in configs:
-                results.append(_summarise(R, U, pool.run(_pool_rank, cfg, R, U), cfg, base))
-    if rank != 0:
+                state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
+                mine = measure(cfg, state, device, together=True)
+                gathered = [None] * world
+                dist.all_gather_object(gathered, mine)
+                if rank == 0:
+                    results.append(_summarise(R, U, gathered, cfg, base))
+        else:
+            from seqpar.testing import DistPool
+
+            with DistPool(world, timeout_s=3600) as pool:
+                for R, U in configs:
+                    results.append(_summarise(R, U, pool.run(_pool_rank, cfg, R, U), cfg, base))
+    if torchrun:
         dist.destroy_process_group()
+    if rank != 0:
         return
 
-    report = {
-        "mix": mix_summary(lens),
-        "settings": {k: v for k, v in cfg.items() if k != "lens"} | {
-            "world": world, "device": str(device), "launcher": "torchrun" if torchrun else "pool",
-        },
-        "unsharded": base,
-        "results": results,
-        "seq_lens": lens,
+    balances = {
+        name: {
+            "mix": mix_summary(mix),
+            "configs": [balance(mix, R, U, args.causal, args.heads) for R, U in parse_configs(args.balance_configs, "--balance-configs")],
+        }
+        for name, mix in realistic_mixes(lens, args.seed).items()
     }
-    print(f"mix: {report['mix']}")
-    print(f"settings: {report['settings']}")
-    print(_table(results, base))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
-    if torchrun:
-        dist.destroy_process_group()
+    settings = {k: v for k, v in cfg.items() if k != "lens"} | {
+        "world": world, "device": str(device), "launcher": "torchrun" if torchrun else "pool",
+        "cpu_cores": usable_cores(),
+    }
+    report = {
+        "mix": mix_summary(lens), "settings": settings, "unsharded": base, "results": results,
+        "balance": balances, "seq_lens": lens,
+    }
+    mask = "causal" if args.causal else "non-causal"
+    parts = [f"timed mix: {report['mix']}", f"settings: {settings}"]
+    if results:
+        parts += ["", f"{mask} varlen attention, slowest rank's median (work max/mean: per CP rank, H={args.heads}):",
+                  _timing_table(results, base)]
+    title = (f"{mask} work balance (host maths; ring: pairs per ring rank; cp: with H={args.heads} heads "
+             "split over Ulysses; max/mean, 1.0 = perfect):")
+    parts += ["", title, _balance_table(balances)]
+    notes = []
+    if results:
+        notes = [
+            None if torchrun else time_sharing_warning(world, usable_cores(), device.type),
+            few_iterations_warning(args.iters),
+        ]
+    emit(report, "\n".join(parts), notes, args.json)
 
 
 if __name__ == "__main__":
