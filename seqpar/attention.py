@@ -45,8 +45,8 @@ from .backends import AttentionBackend, KernelBackend, get_backend
 from .checks import check_gqa, check_mask_options, check_qkv, check_scale, check_sinks
 from .comm import exchange_ints
 from .parallel.replicated import ReplicatedRun, replicated_query_attention
-from .parallel.ring import RingRun, ring_attention
-from .parallel.ulysses import HeadAssignment, run_ulysses
+from .parallel.ring import RingRun
+from .parallel.ulysses import UlyssesSpec, ulysses_ring_attention
 from .placement import Mask, Placement, RingPlan, ring_plan
 from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState
@@ -114,17 +114,11 @@ def _hybrid(
     extra_k: Tensor | None, extra_v: Tensor | None,
 ) -> Tensor:
     """Ulysses over ``state.ulysses_group`` around the ring over ``state.ring_group`` (bshd)."""
-    run = RingRun(state.ring_group, plan, backend, scale, softcap)
-
-    def inner(q_u: Tensor, k_u: Tensor, v_u: Tensor, heads: HeadAssignment) -> Tensor:
-        return ring_attention(
-            q_u, k_u, v_u, run,
-            sinks=None if sinks is None else heads.q_heads(sinks, 0),
-            extra_k=None if extra_k is None else heads.kv_heads(extra_k, 2),
-            extra_v=None if extra_v is None else heads.kv_heads(extra_v, 2),
-        )
-
-    return run_ulysses(q, k, v, state.ulysses_group, inner, placement.ulysses_sizes(state.ring_rank))
+    run = RingRun(state.ring_group, plan, backend, scale, softcap, state.workspace)
+    spec = UlyssesSpec.build(
+        state.ulysses_group, placement.ulysses_sizes(state.ring_rank), q.shape[2], k.shape[2], state.workspace
+    )
+    return ulysses_ring_attention(q, k, v, spec, run, sinks=sinks, extra_k=extra_k, extra_v=extra_v)
 
 
 def _exchange(local: int, signature: list[int], names: str, state: ParallelState, device, where: str) -> list[int]:

@@ -1,6 +1,6 @@
 """``ParallelState``: the process groups of hybrid context parallelism, passed explicitly.
 
-Rank layout (DESIGN.md): the parent group is cut into data-parallel replicas of ``cp_size =
+Rank layout (``docs/sharding.md``): the parent group is cut into data-parallel replicas of ``cp_size =
 ring_size * ulysses_size`` consecutive ranks. Within a CP group, ``cp_rank = ring_rank *
 ulysses_size + ulysses_rank`` (Ulysses innermost, so its all-to-all stays inside a node)::
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .comm import group_rank, group_size
+from .comm import Workspace, group_rank, group_size
 
 __all__ = ["ParallelState"]
 
@@ -58,6 +58,9 @@ class ParallelState:
         ring_size, ring_rank, ring_group, ulysses_size, ulysses_rank, ulysses_group,
         cp_size, cp_rank, cp_group, dp_size, dp_rank, dp_group. Groups are ``None`` only in a
         process with no process group (then every size is 1 and every rank 0).
+        workspace: scratch buffers that attention calls on this state reuse (staging copies,
+            ring transfer buffers; Note [Workspace] in ``seqpar.comm.workspace``);
+            ``state.workspace.clear()`` frees them.
 
     Raises:
         ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
@@ -81,6 +84,7 @@ class ParallelState:
     dp_rank: int
     dp_group: dist.ProcessGroup | None
     parent_group: dist.ProcessGroup | None = field(default=None)
+    workspace: Workspace = field(default_factory=Workspace)
 
     def __init__(
         self,
@@ -88,6 +92,7 @@ class ParallelState:
         ulysses_size: int = 1,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.workspace = Workspace()
         ring_size = _check_size("ring_size", ring_size)
         ulysses_size = _check_size("ulysses_size", ulysses_size)
         cp_size = ring_size * ulysses_size

@@ -2,7 +2,7 @@
 
 Note [Loss shares and gradient sync]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-seqpar's gradient convention (DESIGN.md): on a CP group, rank ``c`` backpropagates its *share*
+seqpar's gradient convention (``docs/api.md``): on a CP group, rank ``c`` backpropagates its *share*
 ``L_c`` of the loss with ``sum_c L_c = L``, and the true gradient of every parameter is the sum
 over the CP group of the per-rank gradients. For a token-mean loss the share is
 

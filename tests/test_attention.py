@@ -3,7 +3,7 @@ float64 reference, for ring x Ulysses factorizations of 1, 2, 3, 4 and 8 ranks.
 
 Each case builds global q, k, v, dout from a seeded generator (identical on every rank), makes the
 global tensors leaves, shards them with ``seqpar.shard`` in the case's layout, runs the attention,
-and backpropagates ``(out * shard(dout)).sum()``. By DESIGN.md's gradient convention the per-rank
+and backpropagates ``(out * shard(dout)).sum()``. By the partial-gradient convention (docs/api.md) the per-rank
 gradients of the global leaves sum over the CP group to the exact gradient, which is compared with
 the reference's. One pool run per world size serves all its cases.
 """

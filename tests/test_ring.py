@@ -231,7 +231,7 @@ def _trace_case(seq_len: int, mask: Mask) -> tuple:
     placement = Placement.dense(seq_len, state.ring_size, 1)
     plan = ring_plan(placement, state.ring_rank, mask.normalised(seq_len), varlen=False)
     trace: list = []
-    run = RingRun(state.ring_group, plan, get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace)
+    run = RingRun(state.ring_group, plan, get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace=trace)
     local = [seqpar.shard(t, state).detach().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*local, run)
     grads = torch.autograd.grad(out, local, seqpar.shard(dout, state))
@@ -260,6 +260,7 @@ def test_transfer_overlaps_compute(pools, ring_size):
             for i in range(1, ring_size - 1):  # step i's gradients travel while step i+1 computes
                 assert _index(bwd, ("post_grad", i)) < _index(bwd, ("compute", i + 1))
                 assert _index(bwd, ("compute", i + 1)) < _index(bwd, ("wait_grad", i))
+                assert _index(bwd, ("wait_grad", i)) < _index(bwd, ("post_grad", i + 1))
             assert [e for e in fwd if e[0] == "compute"] == [("compute", i) for i in range(ring_size)]
 
 

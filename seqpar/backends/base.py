@@ -421,6 +421,21 @@ class KernelBackend(AttentionBackend):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`varlen_backward` on trusted inputs with ``total_q > 0`` and ``total_k > 0``."""
 
+    def kernel_varlen_backward_into(
+        self, grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor, packing: Packing, *, scale: float, window: Window, softcap: float,
+    ) -> None:
+        """Add the gradients of :meth:`kernel_varlen_backward` into ``grads = (dq, dk, dv)``
+        (shaped like q, k, v; any floating dtype).
+
+        A backend that computes sequence by sequence overrides this to add each sequence's
+        gradients in place, so that no full-size result exists next to the accumulators.
+        """
+        for acc, g in zip(grads, self.kernel_varlen_backward(
+            dout, q, k, v, out, lse, packing, scale=scale, window=window, softcap=softcap
+        )):
+            acc += g
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers for the CUDA kernel families (torch_cuda.py, flash_attn.py). All device-side: they never

@@ -16,8 +16,10 @@ Note [CPU windows]
 ~~~~~~~~~~~~~~~~~~
 The kernel has no window argument. A block whose window cuts some rows is computed in tiles of
 query rows: each tile takes only the rows that see a key and only the key columns its rows see,
-with an additive ``[rows, keys]`` mask (``-inf`` outside the window). Work and mask memory thus
-follow the band (``rows x (rows + window)``), not ``Sq x Sk``. The kernel has no softcap either:
+with an additive ``[rows, keys]`` mask (``-inf`` outside the window). A tile of ``T`` rows over a
+band of width ``W`` computes ``T x (T + W)`` scores for ``T x W`` useful ones, so ``T`` is about
+``W / 4`` (at least 64, and within a mask budget): work and mask memory follow the band, not
+``Sq x Sk``. The kernel has no softcap either:
 ``"auto"`` picks the ``reference`` backend for softcapped attention on CPU.
 
 Note [CPU varlen]
@@ -146,13 +148,16 @@ class _Side:
         index = self.index.to(x.device)
         return x.index_select(0, index).unflatten(0, (self.n, self.width))
 
-    def put(self, dst: Tensor, src: Tensor, dim: int = 0) -> None:
-        """Write the real tokens of ``src`` (padded batch flattened along ``dim``) into ``dst``."""
+    def put(self, dst: Tensor, src: Tensor, dim: int = 0, add: bool = False) -> None:
+        """Write (or ``add``) the real tokens of ``src`` (padded batch flattened along ``dim``)
+        into ``dst``."""
         if self.start is not None:
-            dst.narrow(dim, self.start, self.n * self.width).copy_(src)
+            target = dst.narrow(dim, self.start, self.n * self.width)
+            target.add_(src) if add else target.copy_(src)
             return
         keep = self.valid.to(dst.device)
-        dst.index_copy_(dim, self.index.to(dst.device)[keep], src[(slice(None),) * dim + (keep,)])
+        index, values = self.index.to(dst.device)[keep], src[(slice(None),) * dim + (keep,)]
+        dst.index_add_(dim, index, values.to(dst.dtype)) if add else dst.index_copy_(dim, index, values)
 
 
 @dataclass(frozen=True)
@@ -257,7 +262,9 @@ def _band_tiles(sq: int, sk: int, window: Window):
         return
     first, last = int(live[0]), int(live[-1]) + 1  # bounds are monotone: live rows are a range
     width = int((upper[first:last] - lower[first:last]).max()) + 1
-    rows = max(64, _MASK_ELEMENTS // width)
+    # A tile of T rows computes T x (T + width) scores for T x width attended ones: T near a
+    # quarter of the band keeps 80% of the work useful, within the mask budget.
+    rows = max(64, min(width // 4, _MASK_ELEMENTS // width))
     for i0 in range(first, last, rows):
         i1 = min(last, i0 + rows)
         j0, j1 = int(lower[i0]), int(upper[i1 - 1]) + 1
@@ -368,16 +375,39 @@ class CpuFlashBackend(KernelBackend):
                 window=window, softcap=softcap,
             )
             return tuple(g[0] for g in grads)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        self._varlen_backward(plan, grads, dout, q, k, v, out, lse, scale, window, accumulate=False)
+        return grads
+
+    def kernel_varlen_backward_into(
+        self, grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor, packing: Packing, *, scale: float, window: Window, softcap: float,
+    ) -> None:
+        """Adds each sequence's (or bucket's) gradients into ``grads`` as it goes."""
+        self._varlen_backward(_plan(*packing.host_lens()), grads, dout, q, k, v, out, lse, scale, window,
+                              accumulate=True)
+
+    def _varlen_backward(
+        self, plan: _Plan, grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor,
+        v: Tensor, out: Tensor, lse: Tensor, scale: float, window: Window, accumulate: bool,
+    ) -> None:
+        dq, dk, dv = grads
         for s_q, l_q, s_k, l_k in plan.direct:
             sl_q, sl_k = slice(s_q, s_q + l_q), slice(s_k, s_k + l_k)
             g_q, g_k, g_v = self.kernel_backward(
                 dout[None, sl_q], q[None, sl_q], k[None, sl_k], v[None, sl_k],
-                out[None, sl_q], lse[None, :, sl_q], scale=scale, window=window, softcap=softcap,
+                out[None, sl_q], lse[None, :, sl_q], scale=scale, window=window, softcap=0.0,
             )
-            dq[sl_q] = g_q[0]
-            dk[sl_k] = g_k[0]
-            dv[sl_k] = g_v[0]
+            if accumulate:
+                dq[sl_q] += g_q[0]
+                dk[sl_k] += g_k[0]
+                dv[sl_k] += g_v[0]
+            else:
+                dq[sl_q] = g_q[0]
+                dk[sl_k] = g_k[0]
+                dv[sl_k] = g_v[0]
+        if not plan.buckets:
+            return
         lse = lse_for_backward(lse, lse_dtype(q.dtype))  # [H, Tq]
         for bucket in plan.buckets:
             n, width = bucket.q.n, bucket.q.width
@@ -390,7 +420,6 @@ class CpuFlashBackend(KernelBackend):
                 bucket.q.take(dout), bucket.q.take(q), bucket.k.take(k), bucket.k.take(v),
                 bucket.q.take(out), lse_b.contiguous(), causal, scale, mask,
             )
-            bucket.q.put(dq, g_q.flatten(0, 1))
-            bucket.k.put(dk, g_k.flatten(0, 1))
-            bucket.k.put(dv, g_v.flatten(0, 1))
-        return dq, dk, dv
+            bucket.q.put(dq, g_q.flatten(0, 1), add=accumulate)
+            bucket.k.put(dk, g_k.flatten(0, 1), add=accumulate)
+            bucket.k.put(dv, g_v.flatten(0, 1), add=accumulate)

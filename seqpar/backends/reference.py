@@ -264,8 +264,19 @@ class ReferenceBackend(KernelBackend):
         packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One dense call per sequence."""
+        grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        self.kernel_varlen_backward_into(
+            grads, dout, q, k, v, out, lse, packing, scale=scale, window=window, softcap=softcap
+        )
+        return grads
+
+    def kernel_varlen_backward_into(
+        self, grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor, packing: Packing, *, scale: float, window: Window, softcap: float,
+    ) -> None:
+        """One dense call per sequence, added into ``grads`` as it goes."""
         lens_q, lens_k = packing.host_lens()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = grads
         starts_q = [0, *itertools.accumulate(lens_q)]
         starts_k = [0, *itertools.accumulate(lens_k)]
         for lq, lk, sq, sk in zip(lens_q, lens_k, starts_q, starts_k):
@@ -276,7 +287,6 @@ class ReferenceBackend(KernelBackend):
                 v[None, sk:sk + lk], out[None, sq:sq + lq], lse[None, :, sq:sq + lq],
                 scale=scale, window=window, softcap=softcap,
             )
-            dq[sq:sq + lq] = g[0][0]
-            dk[sk:sk + lk] = g[1][0]
-            dv[sk:sk + lk] = g[2][0]
-        return dq, dk, dv
+            dq[sq:sq + lq] += g[0][0]
+            dk[sk:sk + lk] += g[1][0]
+            dv[sk:sk + lk] += g[2][0]

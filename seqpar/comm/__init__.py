@@ -5,10 +5,11 @@ not initialised (every collective is then the identity).
 """
 
 from ..placement.sizes import split_sizes
-from .all_to_all import all_to_all, all_to_all_many
+from .all_to_all import all_to_all, all_to_all_many, fused_all_to_all, fused_all_to_all_backward
 from .collectives import all_gather, all_reduce, copy_to, gather, reduce_, reduce_scatter, split
 from .group import Group, check_dim, check_group, exchange_ints, group_rank, group_size, refuse_double_backward
 from .p2p import Pending, post
+from .workspace import Workspace
 
 __all__ = [
     "split_sizes",
@@ -21,6 +22,9 @@ __all__ = [
     "refuse_double_backward",
     "all_to_all",
     "all_to_all_many",
+    "fused_all_to_all",
+    "fused_all_to_all_backward",
+    "Workspace",
     "split",
     "gather",
     "all_gather",

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from ..placement.sizes import offsets, split_sizes
 from .group import Group, check_dim, check_group, exchange_ints, group_rank, group_size, refuse_double_backward
+from .workspace import Workspace
 
-__all__ = ["all_to_all", "all_to_all_many"]
+__all__ = ["all_to_all", "all_to_all_many", "fused_all_to_all", "fused_all_to_all_backward"]
 
 Ranges = list[tuple[int, int]]  # per destination rank: (start, length) along the scatter dim
 
@@ -55,6 +56,9 @@ def _exchange(
     ranges: Sequence[Ranges],
     gather_sizes: Sequence[int],
     stack: Literal["scatter", "gather"] = "scatter",
+    workspace: Workspace | None = None,
+    out_role: str | None = None,
+    release_inputs: bool = False,
 ) -> torch.Tensor:
     """No-grad core. Returns the combined output in the input's dim order (a strided view).
 
@@ -66,7 +70,11 @@ def _exchange(
       all of them; each source's block holds tensor 0's rows, then tensor 1's, ... along the
       gather dim, and ``gather_sizes[i]`` is the total of source ``i``'s rows.
 
-    The output's gather dim has ``sum(gather_sizes)`` elements, source-major.
+    The output's gather dim has ``sum(gather_sizes)`` elements, source-major. With a
+    ``workspace`` the staging copy is a workspace buffer (Note [Workspace]); with ``out_role``
+    too, so is the output (for outputs the caller consumes before the call returns). With
+    ``release_inputs`` (``xs`` a list) the list is emptied once staged, so inputs whose last
+    reference it held are freed before the output is allocated.
     """
     n, me = group_size(group), group_rank(group)
     x0 = xs[0]
@@ -86,7 +94,17 @@ def _exchange(
 
     send_shapes = [block_shape(local_rows, lens[j]) for j in range(n)]
     send_numel = [torch.Size(s).numel() for s in send_shapes]
-    staging = torch.empty(sum(send_numel), dtype=x0.dtype, device=x0.device)
+    recv_shapes = [block_shape(g, lens[me]) for g in gather_sizes]
+    recv_numel = [torch.Size(s).numel() for s in recv_shapes]
+    out_shape = block_shape(sum(gather_sizes), lens[me])
+
+    def buffer(role: str | None, numel: int) -> torch.Tensor:
+        if workspace is not None and role is not None:
+            return workspace.get(role, (numel,), x0.dtype, x0.device)
+        return torch.empty(numel, dtype=x0.dtype, device=x0.device)
+
+    # With one rank the staging block is the output: it is staged where the output must live.
+    staging = buffer(out_role if n == 1 else "all_to_all.staging", sum(send_numel))
     for j, off in enumerate(offsets(send_numel)[:-1]):
         block = staging[off : off + send_numel[j]].view(send_shapes[j])
         sub = 0
@@ -100,72 +118,123 @@ def _exchange(
             else:
                 block.narrow(0, sub, piece.shape[0]).copy_(piece)
                 sub += piece.shape[0]
-
-    recv_shapes = [block_shape(g, lens[me]) for g in gather_sizes]
-    recv_numel = [torch.Size(s).numel() for s in recv_shapes]
-    out_shape = block_shape(sum(gather_sizes), lens[me])
+    if release_inputs:
+        piece = x = None  # the loop's last references
+        xs.clear()
     if n == 1:
-        recv = staging.view(out_shape)  # the staging block already is the output
+        recv = staging.view(out_shape)
     else:
-        recv = torch.empty(out_shape, dtype=x0.dtype, device=x0.device)
+        recv = buffer(out_role, sum(recv_numel)).view(out_shape)
         dist.all_to_all_single(recv.view(-1), staging, recv_numel, send_numel, group=group)
     return recv.movedim(0, gather_dim)
 
 
+def fused_all_to_all(
+    xs: Sequence[torch.Tensor],
+    group: Group,
+    scatter_dim: int,
+    gather_dim: int,
+    ranges: Sequence[Ranges],
+    gather_sizes: Sequence[int],
+    *,
+    workspace: Workspace | None = None,
+    out_role: str | None = None,
+    release_inputs: bool = False,
+) -> list[torch.Tensor]:
+    """The forward of :func:`all_to_all_many` without autograd, on validated arguments.
+
+    For code that writes its own backward (``seqpar.parallel.ulysses``): ``ranges[t][j]`` is the
+    ``(start, length)`` of tensor ``t`` sent to rank ``j`` along ``scatter_dim``; ``gather_sizes``
+    every rank's ``gather_dim`` length. Returns one view per tensor of one receive buffer (a
+    ``workspace`` buffer of ``out_role`` if given: then valid only until that role is reused).
+    """
+    combined = _exchange(
+        xs, group, scatter_dim, gather_dim, ranges, gather_sizes, "scatter", workspace, out_role, release_inputs
+    )
+    me = group_rank(group)
+    outs, sub = [], 0
+    for r in ranges:
+        outs.append(combined.narrow(scatter_dim, sub, r[me][1]))
+        sub += r[me][1]
+    return outs
+
+
+def fused_all_to_all_backward(
+    grads: Sequence[torch.Tensor],
+    shapes: Sequence[torch.Size],
+    group: Group,
+    scatter_dim: int,
+    gather_dim: int,
+    ranges: Sequence[Ranges],
+    gather_sizes: Sequence[int],
+    *,
+    workspace: Workspace | None = None,
+    release_inputs: bool = False,
+) -> list[torch.Tensor]:
+    """The gradients of :func:`fused_all_to_all`'s inputs (``shapes``) from those of its outputs.
+
+    The reverse all-to-all; slices sent to several ranks (overlapping ranges) get the sum of
+    their gradients. Without autograd; the results are fresh tensors.
+    """
+    sd, gd = scatter_dim, gather_dim
+    n = group_size(group)
+    lens = [sum(r[j][1] for r in ranges) for j in range(n)]
+    # Each output's gradient goes straight into the staging buffer, stacked along the reverse's
+    # gather dim (the forward's scatter dim): no combined gradient buffer.
+    back_ranges = [list(zip(offsets(gather_sizes)[:-1], gather_sizes))]
+    single = len(ranges) == 1 and _is_partition(ranges[0], shapes[0][sd])
+    back = _exchange(
+        grads, group, gd, sd, back_ranges, lens, "gather", workspace, None if single else "all_to_all.back",
+        release_inputs,
+    )
+    # back: [.., gather_sizes[me] at gather_dim, .., sum(lens) at scatter_dim], source-major.
+    if single:
+        return [back]
+    dxs = []
+    lens_off = offsets(lens)
+    sub_off = [0] * n
+    for shape, r in zip(shapes, ranges):
+        # A partition is written once per element; overlapping ranges are summed.
+        partition = _is_partition(r, shape[sd])
+        dx = back.new_empty(shape) if partition else back.new_zeros(shape)
+        for j in range(n):
+            start, length = r[j]
+            if length:
+                src = back.narrow(sd, lens_off[j] + sub_off[j], length)
+                target = dx.narrow(sd, start, length)
+                if partition:
+                    target.copy_(src)
+                else:
+                    target.add_(src)
+            sub_off[j] += length
+        dxs.append(dx)
+    return dxs
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, scatter_dim, gather_dim, ranges, gather_sizes, *xs):
+    def forward(ctx, group, scatter_dim, gather_dim, ranges, gather_sizes, workspace, *xs):
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        ctx.ranges, ctx.gather_sizes = ranges, gather_sizes
+        ctx.ranges, ctx.gather_sizes, ctx.workspace = ranges, gather_sizes, workspace
         ctx.shapes = [x.shape for x in xs]
-        combined = _exchange(xs, group, scatter_dim, gather_dim, ranges, gather_sizes)
-        me = group_rank(group)
-        outs, sub = [], 0
-        for r in ranges:
-            outs.append(combined.narrow(scatter_dim, sub, r[me][1]))
-            sub += r[me][1]
+        outs = fused_all_to_all(xs, group, scatter_dim, gather_dim, ranges, gather_sizes, workspace=workspace)
         ctx.out_shapes = [o.shape for o in outs]
-        ctx.dtype, ctx.device = combined.dtype, combined.device
+        ctx.dtype, ctx.device = outs[0].dtype, outs[0].device
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         refuse_double_backward("seqpar.comm.all_to_all")
-        group, sd, gd, ranges = ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.ranges
-        n = group_size(group)
-        lens = [sum(r[j][1] for r in ranges) for j in range(n)]
-        # Each output's gradient goes straight into the staging buffer, stacked along the
-        # reverse's gather dim (the forward's scatter dim): no combined gradient buffer.
         grads = [
             g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
             for g, shape in zip(grads, ctx.out_shapes)
         ]
-        back_ranges = [list(zip(offsets(ctx.gather_sizes)[:-1], ctx.gather_sizes))]
-        back = _exchange(grads, group, gd, sd, back_ranges, lens, stack="gather")
-        # back: [.., gather_sizes[me] at gather_dim, .., sum(lens) at scatter_dim], source-major.
-        if len(ranges) == 1 and _is_partition(ranges[0], ctx.shapes[0][sd]):
-            dxs = [back]
-        else:
-            dxs = []
-            lens_off = offsets(lens)
-            sub_off = [0] * n
-            for shape, r in zip(ctx.shapes, ranges):
-                # A partition is written once per element; overlapping ranges are summed.
-                partition = _is_partition(r, shape[sd])
-                dx = back.new_empty(shape) if partition else back.new_zeros(shape)
-                for j in range(n):
-                    start, length = r[j]
-                    if length:
-                        src = back.narrow(sd, lens_off[j] + sub_off[j], length)
-                        target = dx.narrow(sd, start, length)
-                        if partition:
-                            target.copy_(src)
-                        else:
-                            target.add_(src)
-                    sub_off[j] += length
-                dxs.append(dx)
-        # No gradient for group, scatter_dim, gather_dim, ranges, gather_sizes.
-        return (None, None, None, None, None, *dxs)
+        dxs = fused_all_to_all_backward(
+            grads, ctx.shapes, ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.ranges, ctx.gather_sizes,
+            workspace=ctx.workspace,
+        )
+        # No gradient for group, scatter_dim, gather_dim, ranges, gather_sizes, workspace.
+        return (None, None, None, None, None, None, *dxs)
 
 
 def _is_partition(ranges: Ranges, size: int) -> bool:
@@ -241,6 +310,8 @@ def all_to_all(
     scatter_dim: int,
     gather_dim: int,
     gather_size: int | None = None,
+    *,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """All-to-all: scatter ``x`` along ``scatter_dim``, gather the pieces along ``gather_dim``.
 
@@ -260,6 +331,8 @@ def all_to_all(
         gather_size: total length of the gather dim over the group; rank ``i`` must then hold
             ``split_sizes(gather_size, N)[i]`` elements. ``None`` exchanges the actual sizes (one
             small extra collective) and checks the shapes agree.
+        workspace: reuse its staging buffer across calls (Note [Workspace]) instead of
+            allocating one per call.
 
     Returns:
         ``x.shape`` with ``scatter_dim -> split_sizes(x.shape[scatter_dim], N)[rank]`` and
@@ -273,7 +346,7 @@ def all_to_all(
             inconsistent with the local piece, or (with ``gather_size=None``) shapes that differ
             between ranks outside ``gather_dim``.
     """
-    return all_to_all_many([x], group, scatter_dim, gather_dim, gather_size)[0]
+    return all_to_all_many([x], group, scatter_dim, gather_dim, gather_size, workspace=workspace)[0]
 
 
 def all_to_all_many(
@@ -283,6 +356,8 @@ def all_to_all_many(
     gather_dim: int,
     gather_size: int | Sequence[int] | None = None,
     scatter_ranges: Sequence[Sequence[tuple[int, int]]] | None = None,
+    *,
+    workspace: Workspace | None = None,
 ) -> list[torch.Tensor]:
     """One fused all-to-all of several tensors (e.g. q, k and v), differentiable.
 
@@ -328,4 +403,4 @@ def all_to_all_many(
                 )
             ranges.append(r)
     gather_sizes = _gather_sizes(xs, group, gd, sd, gather_size, where)
-    return list(_AllToAll.apply(group, sd, gd, ranges, gather_sizes, *xs))
+    return list(_AllToAll.apply(group, sd, gd, ranges, gather_sizes, workspace, *xs))

@@ -261,7 +261,7 @@ def gather(
 def all_gather(x: torch.Tensor, group: Group, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
     """All-gather along ``dim`` whose backward reduce-scatters (sums partial gradients).
 
-    Use it where each rank's upstream gradient is a partial sum (DESIGN.md's gradient
+    Use it where each rank's upstream gradient is a partial sum (the gradient
     convention); :func:`gather` is the form for replicated gradients. Shapes and errors as
     :func:`gather`.
     """

@@ -18,16 +18,23 @@ plan says the receiver reads, received into one of two alternating buffers (ping
     backward, step i:  post K/V exactly as in the forward                     ("post", i+1)
                        compute step i: dQ into its accumulator, dK/dV of the
                        rows of src(i) (own accumulators at i = 0)              ("compute", i)
-                       post  dK/dV -> src(i), dK/dV of own rows <- dst(i)      ("post_grad", i)
                        wait for step i-1's gradients, add them to own rows     ("wait_grad", i-1)
+                       post  dK/dV -> src(i), dK/dV of own rows <- dst(i)      ("post_grad", i)
                        wait for the K/V of step i+1                            ("wait", i+1)
 
-Each step's transfer overlaps the compute of the step before (``trace``, a list, records the
+Each step's transfer overlaps the compute of the step after it (``trace``, a list, records the
 events for tests). Every rank posts its point-to-point operations in the same order, so the
 messages of each pair of ranks pair up in order. A step the plan leaves empty moves nothing and
 runs no kernel. Results are merged by LSE in fp32 (``seqpar.parallel.merge``); sinks join last
 (Note [Attention sinks]). Extra local K/V (replicated text tokens of joint attention) are attended
 by every query row at step 0 and never travel.
+
+Memory (Note [Workspace]): the K/V of two steps (the one computed, the one arriving), one
+staging copy of the rows sent when they are not one contiguous view, two send slots and one
+receive slot for gradients live in the workspace; accumulators start as the first kernel result
+that covers every row (no zero fill), kernel results are dropped as soon as they are added, and
+large unmasked blocks run their backward in two halves of the keys (smaller kernel results).
+Only q, k, v, out and the LSE of the shard are saved for backward.
 """
 
 from __future__ import annotations
@@ -38,22 +45,30 @@ import torch
 from torch import Tensor
 
 from ..backends.base import KernelBackend, Packing
-from ..comm import Group, post, refuse_double_backward
+from ..comm import Group, Workspace, post, refuse_double_backward
 from ..placement.blocks import BlockCall, RingPlan, SegmentCall
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
-__all__ = ["RingRun", "ring_attention"]
+__all__ = ["RingRun", "ring_attention", "ring_forward", "ring_backward"]
 
 
 @dataclass(frozen=True, eq=False)
 class RingRun:
-    """Everything a ring call needs besides its tensors (built once per call by the caller)."""
+    """Everything a ring call needs besides its tensors (built once per call by the caller).
+
+    Attributes:
+        group: the ring group; plan: this rank's :class:`~seqpar.placement.RingPlan`;
+        backend, scale, softcap: the kernel and its scalar options;
+        workspace: reused transfer buffers (Note [Workspace]), or None to allocate per call;
+        trace: a list to record the schedule's events in (tests), or None.
+    """
 
     group: Group
     plan: RingPlan
     backend: KernelBackend
     scale: float
     softcap: float
+    workspace: Workspace | None = None
     trace: list | None = None
 
 
@@ -62,29 +77,27 @@ def _record(run: RingRun, event: str, step: int) -> None:
         run.trace.append((event, step))
 
 
-def _rows(x: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor:
-    """The rows ``ranges`` of ``x`` ``[B, L, ...]`` concatenated, contiguous (a view if possible)."""
+def _buffer(run: RingRun, role: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A transfer buffer: a workspace buffer of ``role``, or a fresh tensor without a workspace."""
+    if run.workspace is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    return run.workspace.get(role, shape, dtype, like.device)
+
+
+def _rows(run: RingRun, role: str, x: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor:
+    """The rows ``ranges`` of ``x`` ``[B, L, ...]``, contiguous: a view when they already are one,
+    else gathered into a transfer buffer."""
     if len(ranges) == 1:
         a, b = ranges[0]
-        return x[:, a:b].contiguous()
-    return torch.cat([x[:, a:b] for a, b in ranges], dim=1)
-
-
-class _Buffers:
-    """Two alternating receive buffers per role, allocated once at the largest size needed."""
-
-    def __init__(self) -> None:
-        self._flat: dict[tuple[str, int], Tensor] = {}
-
-    def get(self, role: str, slot: int, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        key = (role, slot % 2)
-        flat = self._flat.get(key)
-        if flat is None or flat.numel() < numel or flat.dtype != dtype:
-            flat = self._flat[key] = torch.empty(numel, dtype=dtype, device=like.device)
-        return flat[:numel].view(shape)
+        view = x[:, a:b]
+        if view.is_contiguous():
+            return view
+    out = _buffer(run, role, (x.shape[0], sum(b - a for a, b in ranges), *x.shape[2:]), x, x.dtype)
+    off = 0
+    for a, b in ranges:
+        out[:, off:off + b - a].copy_(x[:, a:b])
+        off += b - a
+    return out
 
 
 def _packing(call: SegmentCall, backend: KernelBackend, device: torch.device, cache: dict) -> Packing:
@@ -118,47 +131,82 @@ def _call_forward(run: RingRun, call, q: Tensor, k: Tensor, v: Tensor, cache: di
     return None, out[None], lse[None]
 
 
-def _call_backward(run: RingRun, call, dout, q, k, v, out, lse, dq, dk, dv, cache: dict) -> None:
-    """Add one kernel call's gradients into ``dq`` and ``dk``/``dv`` (accumulator dtype)."""
+def _call_backward(run: RingRun, call, dout, q, k, v, out, lse, cache: dict):
+    """``(query rows, key rows, dq, dk, dv)`` of one kernel call (rows ``None``: everything)."""
     b = run.backend
     if isinstance(call, BlockCall):
         rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
-        g_q, g_k, g_v = b.kernel_backward(
+        grads = b.kernel_backward(
             dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows],
             scale=run.scale, window=call.window, softcap=run.softcap,
         )
-        dq[:, rows] += g_q
-        dk[:, cols] += g_k
-        dv[:, cols] += g_v
-        return
+        return (rows, cols, *grads)
     g_q, g_k, g_v = b.kernel_varlen_backward(
         dout[0], q[0], k[0], v[0], out[0], lse[0], _packing(call, b, q.device, cache),
         scale=run.scale, window=call.window, softcap=run.softcap,
     )
-    dq[0] += g_q
-    dk[0] += g_k
-    dv[0] += g_v
+    return None, None, g_q[None], g_k[None], g_v[None]
 
 
-def _post_kv(run: RingRun, step, k: Tensor, v: Tensor, buffers: _Buffers, slot: int):
+def _call_backward_into(run: RingRun, call: SegmentCall, dout, q, k, v, out, lse, grads, cache: dict) -> None:
+    """Add one varlen call's gradients into ``grads = (dq, dk, dv)`` (``[1, L, ...]`` each)."""
+    run.backend.kernel_varlen_backward_into(
+        tuple(g[0] for g in grads), dout[0], q[0], k[0], v[0], out[0], lse[0],
+        _packing(call, run.backend, q.device, cache), scale=run.scale, window=call.window,
+        softcap=run.softcap,
+    )
+
+
+class _Accumulator:
+    """A sum over kernel results along dim 1, in ``dtype``: the first result that covers every
+    row *becomes* the accumulator (no zero-filled buffer, no copy when the dtype matches)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.value: Tensor | None = None
+
+    def add(self, rows: slice | None, part: Tensor, owned: bool = True) -> None:
+        """Add ``part`` at ``rows``; ``owned``: ``part`` is a fresh result nobody else uses."""
+        whole = rows is None or (rows.start == 0 and rows.stop == self.shape[1])
+        if self.value is None:
+            if whole:
+                self.value = part.to(self.dtype, copy=not owned)
+                return
+            self.value = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        if whole:
+            self.value += part
+        else:
+            self.value[:, rows] += part
+
+    def result(self) -> Tensor:
+        if self.value is None:
+            self.value = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.value
+
+
+def _post_kv(run: RingRun, step, k: Tensor, v: Tensor, slot: int):
     """Post step ``step``'s K/V transfers; return ``(pending, k_buffer, v_buffer)``."""
-    sends = [(step.dst, _rows(k, step.send_rows)), (step.dst, _rows(v, step.send_rows))] if step.send_rows else []
+    sends = []
+    if step.send_rows:
+        # One staging slot suffices: a step's sends complete before the next step posts.
+        sends = [
+            (step.dst, _rows(run, "ring.send_k", k, step.send_rows)),
+            (step.dst, _rows(run, "ring.send_v", v, step.send_rows)),
+        ]
     k_in = v_in = None
     recvs = []
     if step.recv_rows:
-        shape_k = (k.shape[0], step.kv_len, *k.shape[2:])
-        shape_v = (v.shape[0], step.kv_len, *v.shape[2:])
-        k_in = buffers.get("k", slot, shape_k, k, k.dtype)
-        v_in = buffers.get("v", slot, shape_v, v, v.dtype)
+        k_in = _buffer(run, f"ring.k.{slot % 2}", (k.shape[0], step.kv_len, *k.shape[2:]), k, k.dtype)
+        v_in = _buffer(run, f"ring.v.{slot % 2}", (v.shape[0], step.kv_len, *v.shape[2:]), v, v.dtype)
         recvs = [(step.src, k_in), (step.src, v_in)]
     return post(run.group, sends, recvs), k_in, v_in
 
 
-def _forward(
+def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
     extra_v: Tensor | None, run: RingRun,
 ) -> tuple[Tensor, Tensor]:
-    """Ring attention forward on ring-local buffers (see Note [Ring schedule]).
+    """Ring attention forward on ring-local buffers (see Note [Ring schedule]); no autograd.
 
     Args:
         q: ``[B, L, H, D]`` this ring rank's queries (packed: ``B = 1``).
@@ -170,10 +218,19 @@ def _forward(
         ``out`` ``[B, L, H, D]`` in q's dtype and ``lse`` ``[B, H, L]`` in the accumulator dtype.
     """
     steps = run.plan.steps
-    out_acc, lse_acc = new_accumulators(q.shape, device=q.device, dtype=q.dtype)
-    buffers, cache = _Buffers(), {}
+    acc = accumulator_dtype(q.dtype)
+    B, L, H, _ = q.shape
+    out_acc: Tensor | None = None
+    lse_acc: Tensor | None = None
+    cache: dict = {}
 
     def merge(rows, out, lse) -> None:
+        nonlocal out_acc, lse_acc
+        if out_acc is None:
+            if rows is None or (rows.start == 0 and rows.stop == L):  # the first result covers all
+                out_acc, lse_acc = out.to(acc), lse.to(acc)
+                return
+            out_acc, lse_acc = new_accumulators(q.shape, device=q.device, dtype=q.dtype)
         if rows is None:
             merge_(out_acc, lse_acc, out, lse)
         else:
@@ -183,27 +240,34 @@ def _forward(
     for i, step in enumerate(steps):
         pending = None
         if i + 1 < len(steps):
-            pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, buffers, i + 1)
+            pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
             _record(run, "post", i + 1)
         _record(run, "compute", i)
         for call in step.calls:
-            merge(*_call_forward(run, call, q, k_cur, v_cur, cache))
-        if i == 0 and extra_k is not None and extra_k.shape[1] and q.shape[1]:
-            merge(*_call_forward(run, BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1)), q, extra_k, extra_v, cache))
+            merge(*_call_forward(run, call, q, k_cur, v_cur, cache))  # block results die here
+        if i == 0 and extra_k is not None and extra_k.shape[1] and L:
+            call = BlockCall(0, L, 0, extra_k.shape[1], (-1, -1))
+            merge(*_call_forward(run, call, q, extra_k, extra_v, cache))
         if pending is not None:
             pending.wait()
             _record(run, "wait", i + 1)
             k_cur, v_cur = k_next, v_next
+    if out_acc is None:
+        out_acc, lse_acc = new_accumulators(q.shape, device=q.device, dtype=q.dtype)
     if sinks is not None:
         out_acc, lse_acc = add_sinks(out_acc, lse_acc, sinks)
     return out_acc.to(q.dtype), lse_acc
 
 
-def _backward(
+def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
     extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingRun,
 ) -> tuple[Tensor | None, ...]:
-    """Ring attention backward (see Note [Ring schedule]).
+    """Ring attention backward (see Note [Ring schedule]); no autograd.
+
+    Gradients of a remote rank's rows travel back in the input dtype (each is one rank's sum of
+    its kernel results, rounded once); every rank sums what it receives for its own rows in the
+    accumulator dtype.
 
     Returns:
         ``dq, dk, dv, dsinks, dextra_k, dextra_v`` (None where the input is None); ``dk``/``dv``
@@ -211,10 +275,9 @@ def _backward(
     """
     steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    buffers, cache = _Buffers(), {}
+    dq = _Accumulator(q.shape, acc, q.device)
+    dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
+    cache: dict = {}
     grads_in: tuple | None = None  # (pending, dk rows, dv rows, ranges) of the previous step
 
     def add_home(grads) -> None:
@@ -222,8 +285,9 @@ def _backward(
         pending.wait()
         off = 0
         for a, b in ranges:
-            dk[:, a:b] += gk[:, off:off + b - a]
-            dv[:, a:b] += gv[:, off:off + b - a]
+            rows = slice(a, b)
+            dk.add(rows, gk[:, off:off + b - a], owned=False)  # transfer buffers are reused
+            dv.add(rows, gv[:, off:off + b - a], owned=False)
             off += b - a
 
     k_cur, v_cur = k, v
@@ -231,36 +295,84 @@ def _backward(
     for i, step in enumerate(steps):
         pending = None
         if i + 1 < len(steps):
-            pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, buffers, i + 1)
+            pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
             _record(run, "post", i + 1)
         _record(run, "compute", i)
         if i == 0:
-            dk_step, dv_step = dk, dv
+            for call in step.calls:
+                if isinstance(call, SegmentCall):  # added in place, sequence by sequence
+                    grads = (dq.result(), dk.result(), dv.result())
+                    _call_backward_into(run, call, dout, q, k_cur, v_cur, out, lse, grads, cache)
+                    continue
+                rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
+                dq.add(rows, g_q)
+                dk.add(cols, g_k)
+                dv.add(cols, g_v)
+                del g_q, g_k, g_v
+            if extra_k is not None:
+                dextra = (_Accumulator(extra_k.shape, acc, q.device), _Accumulator(extra_v.shape, acc, q.device))
+                if extra_k.shape[1] and q.shape[1]:
+                    call = BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1))
+                    _, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, extra_k, extra_v, out, lse, cache)
+                    dq.add(None, g_q)
+                    dextra[0].add(cols, g_k)
+                    dextra[1].add(cols, g_v)
         else:
-            dk_step = buffers.get("dk", i, (k.shape[0], step.kv_len, *k.shape[2:]), k, acc).zero_()
-            dv_step = buffers.get("dv", i, (v.shape[0], step.kv_len, *v.shape[2:]), v, acc).zero_()
-        for call in step.calls:
-            _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, dq, dk_step, dv_step, cache)
-        if i == 0 and extra_k is not None:
-            dextra = (torch.zeros(extra_k.shape, dtype=acc, device=q.device),
-                      torch.zeros(extra_v.shape, dtype=acc, device=q.device))
-            if extra_k.shape[1] and q.shape[1]:
-                call = BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1))
-                _call_backward(run, call, dout, q, extra_k, extra_v, out, lse, dq, *dextra, cache)
-        if i > 0:
-            sends = [(step.src, dk_step), (step.src, dv_step)] if step.recv_rows else []
-            recvs, gk, gv = [], None, None
-            if step.send_rows:
-                rows = sum(b - a for a, b in step.send_rows)
-                gk = buffers.get("gk", i, (k.shape[0], rows, *k.shape[2:]), k, acc)
-                gv = buffers.get("gv", i, (v.shape[0], rows, *v.shape[2:]), v, acc)
-                recvs = [(step.dst, gk), (step.dst, gv)]
-            sent = post(run.group, sends, recvs)
-            _record(run, "post_grad", i)
+            # The gradients of src's rows go back to src in q's dtype, written into one of two
+            # alternating send slots (the other may still be in flight) -- directly when the calls
+            # read disjoint key rows, else summed in the accumulator dtype first.
+            shape_k = (k.shape[0], step.kv_len, *k.shape[2:])
+            shape_v = (v.shape[0], step.kv_len, *v.shape[2:])
+            send_k = _buffer(run, f"ring.send_grad_k.{i % 2}", shape_k, k, k.dtype)
+            send_v = _buffer(run, f"ring.send_grad_v.{i % 2}", shape_v, v, v.dtype)
+            calls = _split_keys(step.calls)
+            if any(isinstance(c, SegmentCall) for c in calls):
+                sum_k = _buffer(run, "ring.sum_grad_k", shape_k, k, acc).zero_()
+                sum_v = _buffer(run, "ring.sum_grad_v", shape_v, v, acc).zero_()
+                for call in calls:
+                    if isinstance(call, SegmentCall):
+                        grads = (dq.result(), sum_k, sum_v)
+                        _call_backward_into(run, call, dout, q, k_cur, v_cur, out, lse, grads, cache)
+                        continue
+                    rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
+                    dq.add(rows, g_q)
+                    sum_k[:, cols] += g_k
+                    sum_v[:, cols] += g_v
+                    del g_q, g_k, g_v
+                send_k.copy_(sum_k)
+                send_v.copy_(sum_v)
+            elif _disjoint_keys(calls, step.kv_len):
+                for call in calls:
+                    rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
+                    dq.add(rows, g_q)
+                    (send_k if cols is None else send_k[:, cols]).copy_(g_k)
+                    (send_v if cols is None else send_v[:, cols]).copy_(g_v)
+                    del g_q, g_k, g_v
+            else:
+                sum_k = _buffer(run, "ring.sum_grad_k", shape_k, k, acc).zero_()
+                sum_v = _buffer(run, "ring.sum_grad_v", shape_v, v, acc).zero_()
+                for call in calls:
+                    rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
+                    dq.add(rows, g_q)
+                    sum_k[:, cols] += g_k
+                    sum_v[:, cols] += g_v
+                    del g_q, g_k, g_v
+                send_k.copy_(sum_k)
+                send_v.copy_(sum_v)
+            # The previous step's gradients have arrived by now (their transfer overlapped this
+            # step's compute): add them home, which frees the receive slot.
             if grads_in is not None:
                 add_home(grads_in)
                 _record(run, "wait_grad", i - 1)
-            grads_in = (sent, gk, gv, step.send_rows)
+            sends = [(step.src, send_k), (step.src, send_v)] if step.recv_rows else []
+            recvs, gk, gv = [], None, None
+            if step.send_rows:
+                rows_home = sum(b - a for a, b in step.send_rows)
+                gk = _buffer(run, "ring.grad_k", (k.shape[0], rows_home, *k.shape[2:]), k, k.dtype)
+                gv = _buffer(run, "ring.grad_v", (v.shape[0], rows_home, *v.shape[2:]), v, v.dtype)
+                recvs = [(step.dst, gk), (step.dst, gv)]
+            grads_in = (post(run.group, sends, recvs), gk, gv, step.send_rows)
+            _record(run, "post_grad", i)
         if pending is not None:
             pending.wait()
             _record(run, "wait", i + 1)
@@ -269,14 +381,40 @@ def _backward(
         add_home(grads_in)
         _record(run, "wait_grad", len(steps) - 1)
     dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
-    dek, dev = (None, None) if dextra is None else (dextra[0].to(extra_k.dtype), dextra[1].to(extra_v.dtype))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, dek, dev
+    dek = dev = None
+    if dextra is not None:
+        dek, dev = dextra[0].result().to(extra_k.dtype), dextra[1].result().to(extra_v.dtype)
+    return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), dsinks, dek, dev
+
+
+# Unmasked blocks reading at least this many key rows run their backward in two halves of the
+# keys: the kernel's dK/dV results (alive next to every accumulator) are then half as large.
+_SPLIT_KEYS_FROM = 512
+
+
+def _split_keys(calls):
+    """The calls, with large unmasked blocks cut in two along their keys (same results)."""
+    out = []
+    for call in calls:
+        if isinstance(call, BlockCall) and call.window == (-1, -1) and call.k1 - call.k0 >= _SPLIT_KEYS_FROM:
+            mid = (call.k0 + call.k1) // 2
+            out += [BlockCall(call.q0, call.q1, call.k0, mid, call.window),
+                    BlockCall(call.q0, call.q1, mid, call.k1, call.window)]
+        else:
+            out.append(call)
+    return out
+
+
+def _disjoint_keys(calls, kv_len: int) -> bool:
+    """Whether the block calls read disjoint key rows (each key's gradient comes from one call)."""
+    spans = sorted((c.k0, c.k1) for c in calls)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, extra_k, extra_v, run):
-        out, lse = _forward(q, k, v, sinks, extra_k, extra_v, run)
+        out, lse = ring_forward(q, k, v, sinks, extra_k, extra_v, run)
         ctx.save_for_backward(q, k, v, sinks, extra_k, extra_v, out, lse)
         ctx.run = run
         return out
@@ -285,7 +423,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         refuse_double_backward("seqpar ring attention")
         q, k, v, sinks, extra_k, extra_v, out, lse = ctx.saved_tensors
-        grads = _backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, ctx.run)
+        grads = ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, ctx.run)
         # No gradient for run.
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
 

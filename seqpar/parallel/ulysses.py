@@ -49,10 +49,25 @@ import torch
 from torch import Tensor
 
 from ..checks import check_gqa, check_qkv
-from ..comm import Group, all_to_all_many, check_group, exchange_ints, group_rank, group_size
+from ..comm import (
+    Group,
+    Workspace,
+    all_to_all_many,
+    check_group,
+    exchange_ints,
+    fused_all_to_all,
+    fused_all_to_all_backward,
+    group_rank,
+    group_size,
+    refuse_double_backward,
+)
 from ..placement.sizes import offsets, split_sizes
+from .ring import RingRun, ring_attention, ring_backward, ring_forward
 
-__all__ = ["HeadAssignment", "head_assignments", "ulysses_attention", "InnerAttention"]
+__all__ = [
+    "HeadAssignment", "head_assignments", "ulysses_attention", "InnerAttention", "UlyssesSpec",
+    "ulysses_ring_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -257,3 +272,170 @@ def ulysses_attention(
                 f"{sizes[me]} tokens (split {sizes}), but q has {q.shape[1]}"
             )
     return run_ulysses(q, k, v, group, inner, sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses around the ring as one autograd function (the path seqpar.attention takes).
+#
+# Note [Ulysses memory]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Composing the two all-to-alls and the ring with autograd saves the head-sharded q, k, v and
+# output of every layer for its backward: 2.5 extra copies of a layer's activations (H == Hkv)
+# kept alive until that layer's backward. Here only the token shard's q, k, v (the inputs, alive
+# anyway), its output and the ring's LSE are saved; the backward repeats the all-to-all of q, k, v
+# together with out and dout (one fused collective) into workspace buffers, runs the ring's
+# backward and sends the gradients back. Backward traffic grows from (dout + grads) to (q, k, v,
+# out, dout + grads); saved activations shrink to what a single device keeps.
+
+
+@dataclass(frozen=True, eq=False)
+class UlyssesSpec:
+    """The Ulysses half of a call: group, every rank's token count and head assignment."""
+
+    group: Group
+    token_sizes: tuple[int, ...]
+    heads: tuple[HeadAssignment, ...]
+    rank: int
+    workspace: Workspace | None
+
+    @staticmethod
+    def build(group: Group, token_sizes, num_heads: int, num_kv_heads: int, workspace) -> UlyssesSpec:
+        n = group_size(group)
+        return UlyssesSpec(
+            group, tuple(token_sizes), tuple(head_assignments(num_heads, num_kv_heads, n)),
+            group_rank(group), workspace,
+        )
+
+    @property
+    def mine(self) -> HeadAssignment:
+        return self.heads[self.rank]
+
+    def head_ranges(self, kind: str) -> list[tuple[int, int]]:
+        if kind == "q":
+            return [(a.q_start, a.q_len) for a in self.heads]
+        return [(a.kv_start, a.kv_len) for a in self.heads]
+
+    def to_heads(self, xs: list[Tensor], kinds: str, role: str) -> list[Tensor]:
+        """Token shards with all heads -> all tokens of this rank's heads (workspace buffers)."""
+        ranges = [self.head_ranges(kind) for kind in kinds]
+        return fused_all_to_all(
+            xs, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace, out_role=role
+        )
+
+    def to_tokens(self, xs: list[Tensor], num_heads: int) -> Tensor:
+        """All tokens of this rank's heads -> the token shard with all heads (a fresh tensor).
+
+        ``xs`` holds the one input; it is emptied once staged, so the caller's last reference
+        can go before the output is allocated.
+        """
+        ranges = [list(zip(offsets(self.token_sizes)[:-1], self.token_sizes))]
+        return fused_all_to_all(xs, self.group, 1, 2, ranges, split_sizes(num_heads, len(self.heads)),
+                                workspace=self.workspace, release_inputs=True)[0]
+
+    def grads_to_tokens(self, grads: list[Tensor], shapes: list[torch.Size], kinds: str) -> list[Tensor]:
+        """Backward of :meth:`to_heads`: gradients of the token shards (K/V heads sent to several
+        ranks get the sum). ``grads`` is emptied once staged."""
+        ranges = [self.head_ranges(kind) for kind in kinds]
+        return fused_all_to_all_backward(
+            grads, shapes, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace,
+            release_inputs=True,
+        )
+
+
+def _expand(heads: HeadAssignment, x: Tensor) -> Tensor:
+    if heads.kv_index is None:
+        return x
+    return x.index_select(2, torch.tensor(heads.kv_index, dtype=torch.long, device=x.device))
+
+
+def _unexpand(heads: HeadAssignment, grad: Tensor) -> Tensor:
+    """Gradient of :func:`_expand`: sum the expanded heads back onto the received ones."""
+    if heads.kv_index is None:
+        return grad
+    index = torch.tensor(heads.kv_index, dtype=torch.long, device=grad.device)
+    out = grad.new_zeros((*grad.shape[:2], heads.kv_len, *grad.shape[3:]))
+    return out.index_add_(2, index, grad)
+
+
+def _place(heads: HeadAssignment, grad: Tensor | None, like: Tensor | None, kind: str, dim: int) -> Tensor | None:
+    """This rank's head slice of a replicated tensor's gradient, in zeros of the full shape."""
+    if grad is None or like is None:
+        return None
+    full = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    if kind == "q":
+        full.narrow(dim, heads.q_start, heads.q_len).copy_(grad)
+    elif heads.kv_len:
+        part = grad.movedim(dim, 2) if dim != 2 else grad
+        part = _unexpand(heads, part)
+        full.narrow(dim, heads.kv_start, heads.kv_len).copy_(part.movedim(2, dim) if dim != 2 else part)
+    return full
+
+
+class _UlyssesRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, extra_k, extra_v, spec, run):
+        mine = spec.mine
+        q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
+        if mine.q_len:
+            out_u, lse_u = ring_forward(
+                q_u, _expand(mine, k_u), _expand(mine, v_u),
+                None if sinks is None else mine.q_heads(sinks, 0),
+                None if extra_k is None else mine.kv_heads(extra_k, 2),
+                None if extra_v is None else mine.kv_heads(extra_v, 2), run,
+            )
+        else:  # no head here: nothing to attend, but the all-to-alls still need this rank
+            out_u = q_u.new_zeros(q_u.shape)
+            lse_u = q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]))
+        staged = [out_u]
+        del out_u
+        out = spec.to_tokens(staged, q.shape[2])
+        ctx.save_for_backward(q, k, v, out, lse_u, sinks, extra_k, extra_v)
+        ctx.spec, ctx.run = spec, run
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        refuse_double_backward("seqpar attention")
+        q, k, v, out, lse_u, sinks, extra_k, extra_v = ctx.saved_tensors
+        spec, run = ctx.spec, ctx.run
+        mine = spec.mine
+        q_u, k_u, v_u, out_u, dout_u = spec.to_heads([q, k, v, out, dout], "qkkqq", "ulysses.heads")
+        dsinks = dek = dev = None
+        if mine.q_len:
+            s = None if sinks is None else mine.q_heads(sinks, 0)
+            ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
+            ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
+            dq_u, dk_u, dv_u, ds, d_ek, d_ev = ring_backward(
+                dout_u, q_u, _expand(mine, k_u), _expand(mine, v_u), s, ek, ev, out_u, lse_u, run
+            )
+            dk_u, dv_u = _unexpand(mine, dk_u), _unexpand(mine, dv_u)
+            dsinks = _place(mine, ds, sinks, "q", 0)
+            dek, dev = _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2)
+        else:
+            dq_u, dk_u, dv_u = torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u)
+        staged = [dq_u, dk_u, dv_u]
+        del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
+        dq, dk, dv = spec.grads_to_tokens(staged, [q.shape, k.shape, v.shape], "qkk")
+        grads = (dq, dk, dv, dsinks, dek, dev)
+        # No gradient for spec, run.
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
+
+
+def ulysses_ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, spec: UlyssesSpec, run: RingRun, *, sinks: Tensor | None = None,
+    extra_k: Tensor | None = None, extra_v: Tensor | None = None,
+) -> Tensor:
+    """Ulysses around the ring (Note [Ulysses memory]); trusted entry, validated by the caller.
+
+    Args:
+        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's token shard.
+        k, v: ``(batch, seqlen_local, nheads_kv, headdim)``.
+        spec: the Ulysses group and layout; run: the ring of this rank's heads.
+        sinks: ``(nheads,)``; extra_k, extra_v: ``(batch, P, nheads_kv, headdim)`` replicated keys.
+
+    Returns:
+        ``(batch, seqlen_local, nheads, headdim)`` in q's dtype.
+    """
+    if group_size(spec.group) == 1:
+        return ring_attention(q, k, v, run, sinks=sinks, extra_k=extra_k, extra_v=extra_v)
+    return _UlyssesRing.apply(q, k, v, sinks, extra_k, extra_v, spec, run)

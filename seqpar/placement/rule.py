@@ -9,7 +9,7 @@ size ``R`` and Ulysses size ``U``:
 1. **Ring (zig-zag, per sequence).** If ``R > 1``, every sequence is cut, in order, into
    ``P = 2R`` chunks. A sequence of ``n`` tokens starting at packed offset ``t`` gives chunk ``c``
    ``n // P`` tokens, plus one when ``(c - t) mod P < n mod P``: the ``n mod P`` remainder tokens
-   go to ``P`` consecutive chunk slots starting at ``t mod P`` (cyclically). Ring rank ``r`` holds
+   go to as many consecutive chunks, starting at chunk ``t mod P`` (cyclically). Ring rank ``r`` holds
    chunks ``r`` and ``P-1-r`` of every sequence; its ring-local sequence is, sequence after
    sequence, chunk ``r`` followed by chunk ``P-1-r``. With ``R == 1`` it is everything.
 2. **Ulysses (contiguous).** The ring-local sequence is split with ``split_sizes(len, U)``;
