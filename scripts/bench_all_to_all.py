@@ -48,7 +48,7 @@ from _bench_common import (  # noqa: E402
     usable_cores,
 )
 
-from seqpar.comm import all_to_all, split_sizes  # noqa: E402
+from seqpar.comm import Workspace, all_to_all, split_sizes  # noqa: E402
 from seqpar.profiling import StorageTracker, median_seconds  # noqa: E402
 
 
@@ -79,6 +79,15 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
     out_bytes = y.nbytes
     del y
     seconds = median_seconds(lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd]), iters, device)
+    # With a workspace (what seqpar.attention does): the staging copy reuses one buffer.
+    ws = Workspace()
+    all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
+    with StorageTracker() as mem_ws:
+        y = all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
+    del y
+    ws_seconds = median_seconds(
+        lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws), iters, device
+    )
     # Bare collective: same total bytes, equal splits, preallocated contiguous buffers.
     numel = torch.tensor([x.numel()], device=device)
     dist.all_reduce(numel, op=dist.ReduceOp.MAX)  # equal sizes on every rank
@@ -111,6 +120,9 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
         "seconds": seconds,
         "bare_seconds": bare,
         "time_ratio": round(seconds / bare, 3) if bare > 0 else None,
+        "workspace_seconds": ws_seconds,
+        "workspace_ratio": round(ws_seconds / bare, 3) if bare > 0 else None,
+        "workspace_alloc_over_input": round(mem_ws.allocated / inp, 3),
         "bare_fresh_seconds": fresh,
         "fresh_ratio": round(seconds / fresh, 3) if fresh > 0 else None,
     }
@@ -123,12 +135,15 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 
 def _report(results: list[dict], world: int, args: argparse.Namespace, device: str, ranks_per_node: int) -> None:
-    head = ["case", "global shape", "s->g", "alloc/input", "bound", "alloc/bound", "ms", "bare ms", "ratio", "fresh ms", "fresh ratio"]
+    head = ["case", "global shape", "s->g", "alloc/input", "bound", "alloc/bound", "ms", "bare ms", "ratio",
+            "ws ms", "ws ratio", "ws alloc/input", "fresh ms", "fresh ratio"]
     rows = [[
         r["case"], str(r["global_shape"]), f"{r['scatter_dim']}->{r['gather_dim']}", f"{r['alloc_over_input']:.2f}",
         f"{r['bound_over_input']:.2f}", f"{r['alloc_over_bound']:.3f}",
         f"{r['seconds'] * 1e3:.2f}", f"{r['bare_seconds'] * 1e3:.2f}",
-        None if r["time_ratio"] is None else f"{r['time_ratio']:.2f}", f"{r['bare_fresh_seconds'] * 1e3:.2f}",
+        None if r["time_ratio"] is None else f"{r['time_ratio']:.2f}",
+        f"{r['workspace_seconds'] * 1e3:.2f}", f"{r['workspace_ratio']:.2f}", f"{r['workspace_alloc_over_input']:.2f}",
+        f"{r['bare_fresh_seconds'] * 1e3:.2f}",
         None if r["fresh_ratio"] is None else f"{r['fresh_ratio']:.2f}",
     ] for r in results]
     over = [r["case"] for r in results if r["alloc_over_bound"] > 1.0]

@@ -19,23 +19,30 @@ rank's length. A shard's own length does not determine ``S`` (``R=1, U=2``: a 3-
 from ``S = 5`` or ``S = 6``), and answering locally only when unique would call a collective on
 some ranks and not others. So:
 
-- ``seq_len=S`` given: every rank's length is the placement of ``S``; checked locally, no
-  communication;
-- ``seq_len=None`` and ``cp_size > 1``: one all-gather of a few ints over the CP group: every
-  rank's local length and a signature of the call (shapes, dtype, mask and score options,
-  layout). Every rank checks the same rows, so a mismatch raises the same ``ValueError`` on every
-  rank instead of hanging a later collective. Lengths that are the placement of their sum use it;
-  other lengths are accepted when the attention does not depend on positions (non-causal, no
-  window, no chunks -- e.g. image tokens split contiguously by a diffusers plan) and refused
-  otherwise. On CUDA the exchange reads its result on the host (one synchronisation per call);
-  pass ``seq_len`` in a training loop to avoid it.
+- ``seq_len=S`` given: every rank's length is the placement of ``S``;
+- ``seq_len=None`` and ``cp_size > 1``: the lengths are exchanged (below); lengths that are the
+  placement of their sum use it; other lengths are accepted when the attention does not depend on
+  positions (non-causal, no window, no chunks -- e.g. image tokens split contiguously by a
+  diffusers plan) and refused otherwise.
+
+Checks (``ParallelState.checks``): the exchange is one all-gather over the CP group of a few ints
+-- every rank's local length, whether it found a problem locally, and a signature of the call
+(shapes, dtype, mask and score options, layout, ``seq_len``). Every rank checks the same rows, so
+a mismatch raises the same ``ValueError`` on every rank instead of a wrong result, a gloo abort on
+mismatched message sizes, or a hang in a later collective. It runs whenever ``seq_len`` is
+``None`` (the lengths are needed), and with ``seq_len`` given when ``checks="always"`` or (the
+default ``"auto"``) when the tensors are on the CPU, where it costs no host synchronisation. With
+``seq_len`` given on an accelerator (``"auto"``), or ``checks="never"``, a call does no collective
+beyond the attention's own traffic and no device-to-host copy: only this rank's length is checked,
+and a rank that disagrees with its peers is not detected -- run once with ``checks="always"`` (or
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``) when something looks wrong (``docs/troubleshooting.md``).
 """
 
 from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -45,7 +52,7 @@ from .backends import AttentionBackend, KernelBackend, get_backend
 from .checks import check_gqa, check_mask_options, check_qkv, check_scale, check_sinks
 from .comm import exchange_ints
 from .parallel.replicated import ReplicatedRun, replicated_query_attention
-from .parallel.ring import RingRun
+from .parallel.ring import RingRun, ring_attention
 from .parallel.ulysses import UlyssesSpec, ulysses_ring_attention
 from .placement import Mask, Placement, RingPlan, ring_plan
 from .placement.sizes import as_int, check_seq_lens
@@ -82,6 +89,12 @@ def _cached_plan(
     return placement, ring_plan(placement, ring_rank, mask, varlen=varlen)
 
 
+@functools.lru_cache(maxsize=256)
+def _dense_lengths(seq_len: int, ring_size: int, ulysses_size: int) -> tuple[int, ...]:
+    """Every CP rank's token count of a dense sequence (cached: called on every layer)."""
+    return Placement.dense(seq_len, ring_size, ulysses_size).shard_lengths
+
+
 def _check_state(state: object, where: str) -> None:
     if not isinstance(state, ParallelState):
         raise ValueError(
@@ -115,16 +128,32 @@ def _hybrid(
 ) -> Tensor:
     """Ulysses over ``state.ulysses_group`` around the ring over ``state.ring_group`` (bshd)."""
     run = RingRun(state.ring_group, plan, backend, scale, softcap, state.workspace)
+    if state.ulysses_size == 1:
+        return ring_attention(q, k, v, run, sinks=sinks, extra_k=extra_k, extra_v=extra_v)
     spec = UlyssesSpec.build(
         state.ulysses_group, placement.ulysses_sizes(state.ring_rank), q.shape[2], k.shape[2], state.workspace
     )
     return ulysses_ring_attention(q, k, v, spec, run, sinks=sinks, extra_k=extra_k, extra_v=extra_v)
 
 
-def _exchange(local: int, signature: list[int], names: str, state: ParallelState, device, where: str) -> list[int]:
-    """Every CP rank's ``local`` length, after checking that all ranks share ``signature``."""
-    rows = exchange_ints([local, *signature], state.cp_group, device)
-    sigs = [row[1:] for row in rows]
+def _collective_checks(state: ParallelState, device: torch.device, lengths_known: bool) -> bool:
+    """Whether this call checks agreement with one all-gather over the CP group (``state.checks``)."""
+    if state.cp_size == 1:
+        return False
+    if state.checks == "always" or not lengths_known:
+        return True
+    return state.checks == "auto" and device.type == "cpu"
+
+
+def _exchange(
+    local: int, problem: int, signature: Callable[[], list[int]], names: str, state: ParallelState,
+    device: torch.device, where: str, expected: str = "its share of the call",
+) -> list[int]:
+    """Every CP rank's ``local`` length, after checking that all ranks share ``signature()`` and
+    that none reported a ``problem`` (nonzero; ``expected`` says what was expected). Every rank
+    raises the same ``ValueError``."""
+    rows = exchange_ints([local, problem, *signature()], state.cp_group, device)
+    sigs = [row[2:] for row in rows]
     bad = [c for c, sig in enumerate(sigs) if sig != sigs[0]]
     if bad:
         raise ValueError(
@@ -132,19 +161,31 @@ def _exchange(local: int, signature: list[int], names: str, state: ParallelState
             f"rank {bad[0]} has {sigs[bad[0]]}; every rank must pass shards of the same tensors "
             "with the same options"
         )
-    return [row[0] for row in rows]
+    got = [row[0] for row in rows]
+    flagged = [c for c, row in enumerate(rows) if row[1]]
+    if flagged:
+        raise ValueError(
+            f"{where}: cp rank {flagged[0]} holds {got[flagged[0]]} tokens, but {expected} (tokens "
+            f"per cp rank: {got}); shard inputs with seqpar.shard / seqpar.shard_packed and pass "
+            "the global length the shards come from"
+        )
+    return got
 
 
 def _dense_placement(
-    local: int, state: ParallelState, seq_len: object, mask: Mask, signature: list[int], names: str,
-    device: torch.device, where: str,
+    local: int, state: ParallelState, seq_len: object, mask: Mask, signature: Callable[[], list[int]],
+    names: str, device: torch.device, where: str,
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """``(seq_lens, free_lengths)`` of the sharded tokens, per Note [Global length]."""
     R, U, me = state.ring_size, state.ulysses_size, state.cp_rank
+    collective = _collective_checks(state, device, seq_len is not None)
     if seq_len is not None:
         seq_len = as_int(seq_len, "seq_len", where)
-        want = Placement.dense(seq_len, R, U).shard_lengths
-        if local != want[me]:
+        want = _dense_lengths(seq_len, R, U)
+        if collective:  # a wrong length raises on every rank, not only here
+            expected = f"seq_len={seq_len} over ring {R} x ulysses {U} places {list(want)}"
+            _exchange(local, int(local != want[me]), signature, names, state, device, where, expected)
+        elif local != want[me]:
             raise ValueError(
                 f"{where}: cp rank {me} holds {local} tokens, but seq_len={seq_len} over ring {R} x "
                 f"ulysses {U} places {want[me]} there (all ranks: {list(want)}); shard inputs with "
@@ -153,9 +194,9 @@ def _dense_placement(
         return (seq_len,), None
     if state.cp_size == 1:
         return (local,), None
-    got = _exchange(local, signature, names, state, device, where)
+    got = _exchange(local, 0, signature, names, state, device, where)
     total = sum(got)
-    want = list(Placement.dense(total, R, U).shard_lengths)
+    want = list(_dense_lengths(total, R, U))
     if got == want:
         return (total,), None
     if mask.is_full:
@@ -227,8 +268,8 @@ def attention(
             values (a window contradicting ``causal``, replicated tokens with a causal, windowed
             or chunked mask, more replicated tokens than local ones); a local length that is not
             this rank's share of ``seq_len``; CP ranks that disagree on shapes or options, or hold
-            lengths that are not the placement of a position-dependent mask (both raised on every
-            rank when ``seq_len`` is ``None``).
+            lengths that are not the placement of a position-dependent mask (raised on every rank
+            whenever the call checks collectively, Note [Global length]).
     """
     where = "seqpar.attention"
     _check_state(state, where)
@@ -264,12 +305,15 @@ def attention(
                 "local tokens; q, k, v hold the replicated tokens and then this rank's shard"
             )
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    signature = [
-        B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(causal), *window,
-        -1 if chunk_size is None else chunk_size, prefix, suffix, int(sinks is not None),
-        _bits(scale), _bits(softcap), _LAYOUTS.index(layout),
-    ]
-    names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout)"
+
+    def signature() -> list[int]:
+        return [
+            B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(causal), *window,
+            -1 if chunk_size is None else chunk_size, prefix, suffix, int(sinks is not None),
+            _bits(scale), _bits(softcap), _LAYOUTS.index(layout), -1 if seq_len is None else int(seq_len),
+        ]
+
+    names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, seq_len)"
     body = S - prefix - suffix
     seq_lens, free = _dense_placement(body, state, seq_len, mask, signature, names, q.device, where)
     mask = mask.normalised(seq_lens[0])
@@ -331,9 +375,11 @@ def varlen_attention(
     ring-local concatenation split contiguously over Ulysses. The Ulysses all-to-all regroups
     heads, then the ring runs a few varlen kernel calls per step (Note [Ring blocks]).
     Collective over ``state.cp_group``: every CP rank must call it with the same ``seq_lens``
-    and options; besides the attention's own traffic it exchanges a few ints over the CP group to
-    check that (on every rank); the plan is built on the host from ``seq_lens`` once per distinct
-    batch and reused.
+    and options. Whether that is checked with an exchange of a few ints over the CP group (which
+    makes every rank raise the same error) follows ``state.checks`` as in Note [Global length]
+    (``seq_lens`` play the role of ``seq_len``: on an accelerator with ``"auto"``, only this rank's
+    count is checked). The plan is built on the host from ``seq_lens`` once per distinct batch and
+    reused.
 
     Args:
         q: ``(T_local, nheads, headdim)``, this rank's packed tokens (``shard_packed``, dim 0).
@@ -377,13 +423,19 @@ def varlen_attention(
     mask = Mask(causal, window, chunk_size).normalised(max(lens, default=0))
     placement, plan = _cached_plan(lens, None, R, U, state.ring_rank, mask, True)
     want = placement.shard_lengths
-    signature = [
-        *_seq_lens_fingerprint(lens), H, Hkv, D, v.shape[-1], _DTYPE_CODES.get(q.dtype, 0),
-        int(causal), *window, -1 if chunk_size is None else chunk_size, int(sinks is not None),
-        _bits(scale), _bits(softcap),
-    ]
+
+    def signature() -> list[int]:
+        return [
+            *_seq_lens_fingerprint(lens), H, Hkv, D, v.shape[-1], _DTYPE_CODES.get(q.dtype, 0),
+            int(causal), *window, -1 if chunk_size is None else chunk_size, int(sinks is not None),
+            _bits(scale), _bits(softcap),
+        ]
+
     names = "(seq_lens fingerprint, H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, scale, softcap)"
-    got = [T] if state.cp_size == 1 else _exchange(T, signature, names, state, q.device, where)
+    if _collective_checks(state, q.device, lengths_known=True):
+        got = _exchange(T, 0, signature, names, state, q.device, where)
+    else:  # only this rank's count can be checked without communication
+        got = [want[c] if c != state.cp_rank else T for c in range(state.cp_size)]
     if got != list(want):
         bad = next(c for c, (g, w) in enumerate(zip(got, want)) if g != w)
         raise ValueError(

@@ -5,17 +5,24 @@ The demo spawns ``--world-size`` processes (gloo on CPU; NCCL when there are eno
 state, and compares every rank's output and input gradients with single-device SDPA in float64.
 The tolerance follows flash-attn's rule: at most twice the error of the same computation on one
 device in the same dtype (with a small floor per dtype).
+
+It also reports, per rank, the median forward and backward time over ``--iters`` calls after a
+warm-up call, and the tensor memory of one call (storage created inside it, and the reused
+workspace), each next to one device running the whole sequence with the same kernel in the same
+process setup. CPU ranks that share cores time-share them: read the times as a comparison of
+configurations, not as a speedup (the report says when that is the case).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
@@ -47,6 +54,7 @@ class _Config:
     device: str
     backend: str
     seed: int
+    iters: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: CUDA + NCCL when there are >= world-size GPUs, else CPU + gloo",
     )
     parser.add_argument("--backend", default="auto", help="seqpar attention backend (default auto)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls after one warm-up call (default 3)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
 
 def _inputs(cfg: _Config, dp_rank: int) -> tuple[torch.Tensor, ...]:
@@ -82,10 +92,52 @@ def _inputs(cfg: _Config, dp_rank: int) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _peak_mib(device: torch.device) -> float:
+def _measure(call, device: torch.device, iters: int, sync) -> dict:
+    """Median forward/backward seconds of ``call() -> (out, backward)`` after one warm-up call,
+    and the tensor bytes one call creates (CUDA: the allocator's peak above the start)."""
+    from .profiling import StorageTracker
+
+    out, backward = call()  # warm-up: imports, workspace, caches
+    backward()
+    del out
+    fwd, bwd = [], []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        out, backward = call()
+        sync()
+        t1 = time.perf_counter()
+        backward()
+        sync()
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+        del out
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out, backward = call()
+        backward()
+        del out
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - start
+    else:
+        with StorageTracker() as tracker:
+            out, backward = call()
+            backward()
+            del out
+        peak = tracker.peak
+    return {"fwd_ms": 1e3 * statistics.median(fwd), "bwd_ms": 1e3 * statistics.median(bwd), "peak_bytes": peak}
+
+
+def _attention_call(seqpar, q, k, v, dout, state, cfg: _Config, seq_len: int):
+    def call():
+        for t in (q, k, v):
+            t.grad = None
+        out = seqpar.attention(q, k, v, state, causal=cfg.causal, backend=cfg.backend, seq_len=seq_len)
+        return out, lambda: out.backward(dout)
+
+    return call
 
 
 def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
@@ -117,14 +169,11 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
                 torch.cuda.synchronize(device)
             dist.barrier(group=state.cp_group)
 
-        sync()
-        t0 = time.perf_counter()
+        stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), device, cfg.iters, sync)
+        for t in (q, k, v):
+            t.grad = None
         out = seqpar.attention(q, k, v, state, causal=cfg.causal, backend=cfg.backend, seq_len=cfg.seq_len)
-        sync()
-        t1 = time.perf_counter()
         out.backward(dout)
-        sync()
-        t2 = time.perf_counter()
         result = {
             "rank": rank,
             "dp": state.dp_rank,
@@ -132,9 +181,8 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
             "ring": state.ring_rank,
             "ulysses": state.ulysses_rank,
             "tokens": q.shape[1],
-            "fwd_ms": 1e3 * (t1 - t0),
-            "bwd_ms": 1e3 * (t2 - t1),
-            "mem_mib": _peak_mib(device),
+            **stats,
+            "workspace_bytes": state.workspace.nbytes,
             "out": out.detach().cpu(),
             "dq": q.grad.cpu(),
             "dk": k.grad.cpu(),
@@ -142,8 +190,33 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
         }
         torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
         dist.barrier()  # tear down together (see scripts/_train_harness.py)
+        state.close()
     finally:
         dist.destroy_process_group()
+
+
+def _single_device(cfg: _Config) -> dict:
+    """One device, the whole sequence, the same kernel and dtype, one rank's thread count."""
+    import seqpar
+
+    device = torch.device("cuda:0") if cfg.device == "cuda" else torch.device("cpu")
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
+    try:
+        state = seqpar.ParallelState()
+        q, k, v, dout = (t.to(device, _DTYPES[cfg.dtype]) for t in _inputs(cfg, 0))
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), device, cfg.iters, sync)
+        stats["workspace_bytes"] = state.workspace.nbytes
+        return stats
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _reference(cfg: _Config, dp_rank: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -164,7 +237,7 @@ def _check(args: argparse.Namespace) -> _Config:
     def fail(msg: str):
         raise SystemExit(f"seqpar demo: {msg}")
 
-    for name in ("world_size", "ring", "ulysses", "seq_len", "batch", "heads", "kv_heads", "head_dim"):
+    for name in ("world_size", "ring", "ulysses", "seq_len", "batch", "heads", "kv_heads", "head_dim", "iters"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world_size % (args.ring * args.ulysses) != 0:
@@ -195,6 +268,7 @@ def _check(args: argparse.Namespace) -> _Config:
         device,
         args.backend,
         args.seed,
+        args.iters,
     )
 
 
@@ -210,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _check(args)
     dtype = _DTYPES[cfg.dtype]
-    print(
+    say = (lambda *a, **k: None) if args.json else print
+    say(
         f"seqpar demo: {cfg.world_size} ranks ({'nccl' if cfg.device == 'cuda' else 'gloo'}, {cfg.device}), "
         f"ring {cfg.ring} x ulysses {cfg.ulysses} (dp {cfg.world_size // (cfg.ring * cfg.ulysses)}), "
         f"B={cfg.batch} S={cfg.seq_len} H={cfg.heads} Hkv={cfg.kv_heads} D={cfg.head_dim}, {cfg.dtype}, "
@@ -224,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         )
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cfg.world_size)]
     spawn_s = time.perf_counter() - start
+    single = _single_device(cfg)
 
     exact: dict[int, dict[str, torch.Tensor]] = {}
     same: dict[int, dict[str, torch.Tensor]] = {}
@@ -235,13 +311,9 @@ def run(args: argparse.Namespace) -> int:
     tol_out = max(2 * base_out, _FLOOR[dtype])
     tol_grad = max(2 * base_grad, _FLOOR[dtype])
 
+    cp = cfg.ring * cfg.ulysses
     placement = seqpar.placement.Placement.dense(cfg.seq_len, cfg.ring, cfg.ulysses)
-    header = (
-        f"{'rank':>4} {'dp':>3} {'ring':>4} {'uly':>4} {'tokens':>7} {'fwd ms':>9} {'bwd ms':>9} "
-        f"{'peak MiB':>9} {'|out err|':>10} {'|grad err|':>10}"
-    )
-    print(header)
-    print("-" * len(header))
+    rows = []
     worst_out = worst_grad = 0.0
     for r in results:
         idx = placement.global_index(r["ring"] * cfg.ulysses + r["ulysses"])
@@ -249,16 +321,66 @@ def run(args: argparse.Namespace) -> int:
         e_out = _max_err(r["out"], ref["out"][:, idx])
         e_grad = max(_max_err(r[g], ref[g][:, idx]) for g in ("dq", "dk", "dv"))
         worst_out, worst_grad = max(worst_out, e_out), max(worst_grad, e_grad)
+        rows.append({
+            key: r[key] for key in ("rank", "dp", "ring", "ulysses", "tokens", "fwd_ms", "bwd_ms", "peak_bytes",
+                                    "workspace_bytes")
+        } | {
+            # Memory against a perfect 1/cp share of the single device's (1.0 = ideal).
+            "memory_vs_ideal": r["peak_bytes"] * cp / max(1, single["peak_bytes"]),
+            "out_err": e_out, "grad_err": e_grad,
+        })
+    ok = worst_out <= tol_out and worst_grad <= tol_grad
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    shared = cfg.device == "cpu" and cfg.world_size > cores
+    report = {
+        "config": asdict(cfg),
+        "ok": ok,
+        "ranks": rows,
+        "single_device": single,
+        "fwd_vs_single": max(r["fwd_ms"] for r in rows) / single["fwd_ms"],
+        "bwd_vs_single": max(r["bwd_ms"] for r in rows) / single["bwd_ms"],
+        "tolerance": {"out": tol_out, "grad": tol_grad, "single_dtype_err_out": base_out,
+                      "single_dtype_err_grad": base_grad},
+        "max_err": {"out": worst_out, "grad": worst_grad},
+        "cores": cores,
+        "time_shared": shared,
+        "wall_s": spawn_s,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0 if ok else 1
+    header = (
+        f"{'rank':>4} {'dp':>3} {'ring':>4} {'uly':>4} {'tokens':>7} {'fwd ms':>8} {'bwd ms':>8} "
+        f"{'MiB':>7} {'x ideal':>7} {'|out err|':>10} {'|grad err|':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
         print(
             f"{r['rank']:>4} {r['dp']:>3} {r['ring']:>4} {r['ulysses']:>4} {r['tokens']:>7} "
-            f"{r['fwd_ms']:>9.1f} {r['bwd_ms']:>9.1f} {r['mem_mib']:>9.0f} {e_out:>10.2e} {e_grad:>10.2e}"
+            f"{r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['peak_bytes'] / 2**20:>7.1f} "
+            f"{r['memory_vs_ideal']:>7.2f} {r['out_err']:>10.2e} {r['grad_err']:>10.2e}"
         )
-    mem_kind = "peak allocated (CUDA)" if cfg.device == "cuda" else "peak RSS of the process"
     print(
-        f"memory: {mem_kind}; single-device {cfg.dtype} error vs float64: out {base_out:.2e}, grad "
-        f"{base_grad:.2e}; tolerance out {tol_out:.1e}, grad {tol_grad:.1e}; wall {spawn_s:.1f}s"
+        f"one device, whole sequence, same kernel: fwd {single['fwd_ms']:.1f} ms, bwd {single['bwd_ms']:.1f} ms, "
+        f"{single['peak_bytes'] / 2**20:.1f} MiB; slowest rank / one device: fwd "
+        f"{report['fwd_vs_single']:.2f}, bwd {report['bwd_vs_single']:.2f}"
     )
-    ok = worst_out <= tol_out and worst_grad <= tol_grad
+    print(
+        f"times: median of {cfg.iters} calls after a warm-up; memory: tensor storage created in one call "
+        f"({'CUDA allocator peak' if cfg.device == 'cuda' else 'counted per storage'}), x ideal = per-rank "
+        f"memory x {cp} / one device's (reused workspace per rank, not included: "
+        f"{max(r['workspace_bytes'] for r in rows) / 2**20:.1f} MiB)"
+    )
+    if shared:
+        print(
+            f"note: {cfg.world_size} ranks share {cores} CPU core(s); rank times include the time-sharing and "
+            "are not a speedup measurement"
+        )
+    print(
+        f"single-device {cfg.dtype} error vs float64: out {base_out:.2e}, grad {base_grad:.2e}; "
+        f"tolerance out {tol_out:.1e}, grad {tol_grad:.1e}; wall {spawn_s:.1f}s"
+    )
     verdict = "OK" if ok else "FAILED"
     print(
         f"demo: {verdict} — max |out err| {worst_out:.2e} (tol {tol_out:.1e}), max |grad err| "

@@ -270,7 +270,7 @@ def _rank_placement_errors(_: None) -> list[str]:
         matched.append("options")
         # With seq_len given, the wrong local length raises without communication.
         x = torch.zeros(1, 4, 2, 8)
-        with pytest.raises(ValueError, match="holds 4 tokens, but seq_len=10"):
+        with pytest.raises(ValueError, match=r"cp rank 0 holds 4 tokens, but seq_len=10 .* places \[5, 5\]"):
             seqpar.attention(x, x, x, state, seq_len=10, causal=True)
         matched.append("seq_len")
     return matched

@@ -61,3 +61,16 @@ def test_demo_rejects_bad_degrees():
     proc = _seqpar("demo", "--ring", "3", "--ulysses", "1")
     assert proc.returncode != 0
     assert "must divide --world-size 4" in proc.stderr
+
+
+def test_demo_json_report():
+    import json
+
+    proc = _seqpar("demo", "--world-size", "2", "--ring", "2", "--ulysses", "1", "--seq-len", "301",
+                   "--causal", "--iters", "2", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and len(report["ranks"]) == 2
+    for r in report["ranks"]:
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["peak_bytes"] > 0 and r["memory_vs_ideal"] > 0
+    assert report["single_device"]["peak_bytes"] > 0 and report["fwd_vs_single"] > 0

@@ -7,7 +7,16 @@ not initialised (every collective is then the identity).
 from ..placement.sizes import split_sizes
 from .all_to_all import all_to_all, all_to_all_many, fused_all_to_all, fused_all_to_all_backward
 from .collectives import all_gather, all_reduce, copy_to, gather, reduce_, reduce_scatter, split
-from .group import Group, check_dim, check_group, exchange_ints, group_rank, group_size, refuse_double_backward
+from .group import (
+    Group,
+    check_dim,
+    check_group,
+    exchange_ints,
+    group_rank,
+    group_size,
+    group_timeout,
+    refuse_double_backward,
+)
 from .p2p import Pending, post
 from .workspace import Workspace
 
@@ -16,6 +25,7 @@ __all__ = [
     "Group",
     "group_size",
     "group_rank",
+    "group_timeout",
     "check_group",
     "check_dim",
     "exchange_ints",

@@ -170,11 +170,13 @@ def fused_all_to_all_backward(
     *,
     workspace: Workspace | None = None,
     release_inputs: bool = False,
+    recv_role: str = "all_to_all.back",
 ) -> list[torch.Tensor]:
     """The gradients of :func:`fused_all_to_all`'s inputs (``shapes``) from those of its outputs.
 
     The reverse all-to-all; slices sent to several ranks (overlapping ranges) get the sum of
-    their gradients. Without autograd; the results are fresh tensors.
+    their gradients. Without autograd; the results are fresh tensors. With a ``workspace``, the
+    received gradients land in its ``recv_role`` buffer before being cut into the results.
     """
     sd, gd = scatter_dim, gather_dim
     n = group_size(group)
@@ -184,7 +186,7 @@ def fused_all_to_all_backward(
     back_ranges = [list(zip(offsets(gather_sizes)[:-1], gather_sizes))]
     single = len(ranges) == 1 and _is_partition(ranges[0], shapes[0][sd])
     back = _exchange(
-        grads, group, gd, sd, back_ranges, lens, "gather", workspace, None if single else "all_to_all.back",
+        grads, group, gd, sd, back_ranges, lens, "gather", workspace, None if single else recv_role,
         release_inputs,
     )
     # back: [.., gather_sizes[me] at gather_dim, .., sum(lens) at scatter_dim], source-major.

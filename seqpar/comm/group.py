@@ -17,6 +17,18 @@ def check_group(group: object, where: str) -> None:
         )
 
 
+def group_timeout(group: Group):
+    """The collective timeout of ``group`` (a ``timedelta``), or ``None`` if torch does not say."""
+    if group is None:
+        group = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -70,8 +82,17 @@ def exchange_ints(values: list[int], group: Group, device: torch.device) -> list
 
 
 # torch >= 2.13 renames the flat-tensor collectives; older releases only have the old names.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at call time, so that wrappers installed on torch.distributed (tests counting
+# collectives, profilers) see the calls.
+def all_gather_flat(out: torch.Tensor, t: torch.Tensor, group: Group = None) -> None:
+    """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, t: torch.Tensor, op=None, group: Group = None) -> None:
+    """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, t, op=dist.ReduceOp.SUM if op is None else op, group=group)
 
 
 def refuse_double_backward(what: str) -> None:

@@ -220,6 +220,12 @@ def ring_forward(
     steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
     B, L, H, _ = q.shape
+    if _single_block(run, q, k, extra_k):  # one process, or one Ulysses-inner step: the kernel alone
+        call = steps[0].calls[0]
+        out, lse = run.backend.kernel_forward(q, k, v, scale=run.scale, window=call.window, softcap=run.softcap)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse.to(acc), sinks)
+        return out, lse.to(acc)
     out_acc: Tensor | None = None
     lse_acc: Tensor | None = None
     cache: dict = {}
@@ -275,6 +281,13 @@ def ring_backward(
     """
     steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
+    if _single_block(run, q, k, extra_k):
+        call = steps[0].calls[0]
+        dq, dk, dv = run.backend.kernel_backward(
+            dout, q, k, v, out, lse, scale=run.scale, window=call.window, softcap=run.softcap
+        )
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq, dk, dv, dsinks, None, None
     dq = _Accumulator(q.shape, acc, q.device)
     dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
     cache: dict = {}
@@ -385,6 +398,15 @@ def ring_backward(
     if dextra is not None:
         dek, dev = dextra[0].result().to(extra_k.dtype), dextra[1].result().to(extra_v.dtype)
     return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), dsinks, dek, dev
+
+
+def _single_block(run: RingRun, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
+    """Whether the whole call is one kernel call on the whole buffers (no ring, no extra keys)."""
+    steps = run.plan.steps
+    if len(steps) != 1 or extra_k is not None or len(steps[0].calls) != 1:
+        return False
+    call = steps[0].calls[0]
+    return isinstance(call, BlockCall) and (call.q0, call.q1, call.k0, call.k1) == (0, q.shape[1], 0, k.shape[1])
 
 
 # Unmasked blocks reading at least this many key rows run their backward in two halves of the

@@ -42,6 +42,7 @@ only when those two axes are not adjacent in memory).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -174,6 +175,11 @@ def _exchange_qkv(
     return q_u.unflatten(2, (-1, D)), k_u.unflatten(2, (-1, D)), v_u.unflatten(2, (-1, Dv))
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_assignments(num_heads: int, num_kv_heads: int, world: int) -> tuple[HeadAssignment, ...]:
+    return tuple(head_assignments(num_heads, num_kv_heads, world))
+
+
 def all_heads(num_heads: int, num_kv_heads: int) -> HeadAssignment:
     """The assignment of a group of one rank: every head."""
     return HeadAssignment(0, num_heads, 0, num_kv_heads, None)
@@ -302,8 +308,8 @@ class UlyssesSpec:
     def build(group: Group, token_sizes, num_heads: int, num_kv_heads: int, workspace) -> UlyssesSpec:
         n = group_size(group)
         return UlyssesSpec(
-            group, tuple(token_sizes), tuple(head_assignments(num_heads, num_kv_heads, n)),
-            group_rank(group), workspace,
+            group, tuple(token_sizes), _cached_assignments(num_heads, num_kv_heads, n), group_rank(group),
+            workspace,
         )
 
     @property
@@ -336,9 +342,10 @@ class UlyssesSpec:
         """Backward of :meth:`to_heads`: gradients of the token shards (K/V heads sent to several
         ranks get the sum). ``grads`` is emptied once staged."""
         ranges = [self.head_ranges(kind) for kind in kinds]
+        # The head-sharded inputs are dead by now: their buffer receives the gradients.
         return fused_all_to_all_backward(
             grads, shapes, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace,
-            release_inputs=True,
+            release_inputs=True, recv_role="ulysses.heads",
         )
 
 
