@@ -280,15 +280,18 @@ def attention(
     check_qkv(q, k, v, ndim=4, shape_doc=f"in layout {layout!r} ({', '.join(layout)})", where=where)
     qb, kb, vb = (_to_bshd(t, layout) for t in (q, k, v))
     (B, S, H, D), (Bk, Sk, Hkv, Dk) = qb.shape, kb.shape
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (layout {layout!r})"
+    def shapes() -> str:
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (layout {layout!r})"
+
     if (Bk, Sk) != (B, S) or Dk != D or vb.shape != kb.shape:
         raise ValueError(
-            f"{where}: {shapes}: k and v must have q's batch size B={B}, local length S={S} and "
+            f"{where}: {shapes()}: k and v must have q's batch size B={B}, local length S={S} and "
             f"head dim D={D}, and the same shape as each other"
         )
     if D < 1:
-        raise ValueError(f"{where}: {shapes}: the head dim must be positive, got D={D}")
-    check_gqa(H, Hkv, where, context=f"{shapes}: ")
+        raise ValueError(f"{where}: {shapes()}: the head dim must be positive, got D={D}")
+    if H % Hkv:
+        check_gqa(H, Hkv, where, context=f"{shapes()}: ")
     check_sinks(sinks, H, q, where)
     prefix = as_int(replicated_prefix, "replicated_prefix", where)
     suffix = as_int(replicated_suffix, "replicated_suffix", where)

@@ -258,3 +258,22 @@ def test_many_calls_do_not_grow(pools):
     for rank, r in enumerate(pools(4).run(_rank_many_calls, 1000)):
         assert r["tensors"][1] <= r["tensors"][0], (rank, r)
         assert r["workspace"][1] == r["workspace"][0], (rank, r)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_synchronisation_on_cuda():
+    """With the global length known, attention forward and backward never wait for the device
+    (``torch.cuda.set_sync_debug_mode("error")`` turns any synchronising call into an error)."""
+    state = ParallelState()
+    q, k, v = (torch.randn(2, 257, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+    packed = [torch.randn(300, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for options in (dict(causal=True), dict(causal=True, window=(31, 0)), dict(chunk_size=64)):
+            seqpar.attention(q, k, v, state, seq_len=257, **options).sum().backward()
+            seqpar.varlen_attention(*packed, state, [100, 150, 50], **options).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -20,6 +20,8 @@ CUDA without ``flash-attn``; an explicitly named backend that cannot run the cal
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import AttentionBackend, KernelBackend
@@ -116,6 +118,15 @@ def get_backend(
         ValueError: if ``name`` is unknown, or that backend cannot run on ``device``/``dtype``
             with these features; the message lists the valid choices.
     """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _get_backend(name, device, dtype, window, softcap)
+
+
+@functools.lru_cache(maxsize=128)
+def _get_backend(name: str, device: torch.device, dtype: torch.dtype, window: bool, softcap: bool) -> KernelBackend:
+    """Cached :func:`get_backend` (backends are stateless)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())

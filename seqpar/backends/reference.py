@@ -164,10 +164,14 @@ class ReferenceBackend(KernelBackend):
 
     @staticmethod
     def _tiles(q: Tensor, k: Tensor, window: Window):
-        """``(rows, key range, allowed [rows, keys])`` per tile of query rows that see a key."""
+        """``(rows, key range, allowed [rows, keys])`` per tile of query rows that see a key.
+
+        The index maths runs on the host (no device synchronisation); only ``allowed`` is
+        copied to the device.
+        """
         b, sq, h, _ = q.shape
         sk = k.shape[1]
-        lower, upper = row_key_bounds(sq, sk, window, q.device)
+        lower, upper = row_key_bounds(sq, sk, window)
         rows = max(1, _TILE_ELEMENTS // max(1, b * h * sk))
         for i0 in range(0, sq, rows):
             i1 = min(sq, i0 + rows)
@@ -175,9 +179,9 @@ class ReferenceBackend(KernelBackend):
             if bool((lo > hi).all()):
                 continue
             j0, j1 = int(lo.min()), int(hi.max()) + 1
-            cols = torch.arange(j0, j1, device=q.device)
+            cols = torch.arange(j0, j1)
             allowed = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
-            yield slice(i0, i1), slice(j0, j1), allowed
+            yield slice(i0, i1), slice(j0, j1), allowed.to(q.device)
 
     @staticmethod
     def _scores(q: Tensor, k: Tensor, scale: float, softcap: float) -> tuple[Tensor, Tensor | None]:

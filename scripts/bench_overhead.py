@@ -1,0 +1,93 @@
+"""Benchmark seqpar's per-call overhead: a short ``seqpar.attention`` call against its backend.
+
+One process, ``ParallelState()``: the call validates its inputs, resolves the plan (cached), runs
+its autograd function and the kernels. The baseline calls the same backend's ``forward`` and
+``backward`` directly on the same tensors. Both run forward+backward, interleaved in rounds so
+that machine noise hits both alike; the reported ratio is the median over rounds of
+(seqpar time / backend time), each round taking the median of ``--iters`` calls.
+
+    python scripts/bench_overhead.py                  # 64 tokens, H=8, D=64, causal, fp32
+    python scripts/bench_overhead.py --seq-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _bench_common import emit, table  # noqa: E402
+
+import seqpar  # noqa: E402
+from seqpar.backends import get_backend  # noqa: E402
+
+
+def _median_call(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens (default 64)")
+    parser.add_argument("--heads", type=int, default=8, help="heads (default 8)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    parser.add_argument("--dtype", default="float32", help="dtype (default float32)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--iters", type=int, default=50, help="calls per round (default 50)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, args.seq_len, args.heads, args.head_dim, generator=g).to(dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    state = seqpar.ParallelState()
+    backend = get_backend("auto", "cpu", dtype)
+    scale = args.head_dim ** -0.5
+
+    def ours() -> None:
+        seqpar.attention(q, k, v, state, causal=True, seq_len=args.seq_len).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    def kernel() -> None:
+        out, lse = backend.forward(q.detach(), k.detach(), v.detach(), causal=True, scale=scale)
+        backend.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal=True, scale=scale)
+
+    for _ in range(20):  # warm-up: imports, caches
+        ours()
+        kernel()
+    rounds = []
+    for _ in range(args.rounds):
+        a, b = _median_call(ours, args.iters), _median_call(kernel, args.iters)
+        rounds.append((a, b, a / b))
+    ratio = statistics.median(r[2] for r in rounds)
+    ours_us = statistics.median(r[0] for r in rounds) * 1e6
+    kernel_us = statistics.median(r[1] for r in rounds) * 1e6
+    text = (
+        f"seqpar.attention vs its backend ({backend.name}), forward+backward, B=1 S={args.seq_len} "
+        f"H={args.heads} D={args.head_dim} {args.dtype}, causal, {args.threads} thread(s)\n"
+        + table(["", "us per call"], [["seqpar.attention", f"{ours_us:.0f}"], [f"{backend.name} kernels", f"{kernel_us:.0f}"],
+                                      ["ratio (median of rounds)", f"{ratio:.2f}"]])
+    )
+    report = {"args": vars(args), "backend": backend.name, "seqpar_us": ours_us, "kernel_us": kernel_us,
+              "ratio": ratio, "rounds": [{"seqpar_s": a, "kernel_s": b, "ratio": r} for a, b, r in rounds]}
+    notes = ["ratio = median over interleaved rounds of (median seqpar call / median direct backend call); "
+             "the difference is validation, plan lookup and the autograd function"]
+    emit(report, text, notes, args.json)
+
+
+if __name__ == "__main__":
+    main()
