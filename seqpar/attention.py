@@ -58,7 +58,7 @@ from .placement import Mask, Placement, RingPlan, ring_plan
 from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState
 
-__all__ = ["attention", "varlen_attention", "SequenceParallelAttention", "Layout"]
+__all__ = ["attention", "varlen_attention", "SequenceParallelAttention", "Layout", "refuse_collectively"]
 
 Layout = Literal["bshd", "sbhd", "bhsd"]
 _LAYOUTS: tuple[str, ...] = get_args(Layout)
@@ -136,6 +136,27 @@ def _hybrid(
     return ulysses_ring_attention(q, k, v, spec, run, sinks=sinks, extra_k=extra_k, extra_v=extra_v)
 
 
+_REFUSED = 2  # the problem code of a rank that refuses the call (refuse_collectively)
+_DENSE_SIGNATURE = 17  # ints in the signature of seqpar.attention (see attention())
+
+
+def refuse_collectively(state: ParallelState, device: torch.device, seq_len: int | None, error: Exception) -> None:
+    """Raise ``error`` on this rank, and make the CP ranks' concurrent ``seqpar.attention`` call
+    raise too, instead of waiting for this rank.
+
+    For checks that can fail on one rank only, made where every rank is about to call
+    ``seqpar.attention`` (an integration's per-rank check, say): when that call checks
+    collectively (Note [Global length]), this rank joins its exchange with a refusal. Otherwise
+    (``seq_len`` given on an accelerator, ``checks="never"``) it can only raise here.
+
+    Raises:
+        ``error``, always.
+    """
+    if _collective_checks(state, device, seq_len is not None):
+        exchange_ints([0, _REFUSED, *([-1] * _DENSE_SIGNATURE)], state.cp_group, device)
+    raise error
+
+
 def _collective_checks(state: ParallelState, device: torch.device, lengths_known: bool) -> bool:
     """Whether this call checks agreement with one all-gather over the CP group (``state.checks``)."""
     if state.cp_size == 1:
@@ -153,6 +174,12 @@ def _exchange(
     that none reported a ``problem`` (nonzero; ``expected`` says what was expected). Every rank
     raises the same ``ValueError``."""
     rows = exchange_ints([local, problem, *signature()], state.cp_group, device)
+    refused = [c for c, row in enumerate(rows) if row[1] == _REFUSED]
+    if refused:
+        raise ValueError(
+            f"{where}: cp rank {refused[0]} refused this call (its own error says why); every rank "
+            "raises so that none waits for it"
+        )
     sigs = [row[2:] for row in rows]
     bad = [c for c, sig in enumerate(sigs) if sig != sigs[0]]
     if bad:
@@ -310,11 +337,13 @@ def attention(
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     def signature() -> list[int]:
-        return [
+        sig = [
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(causal), *window,
             -1 if chunk_size is None else chunk_size, prefix, suffix, int(sinks is not None),
             _bits(scale), _bits(softcap), _LAYOUTS.index(layout), -1 if seq_len is None else int(seq_len),
         ]
+        assert len(sig) == _DENSE_SIGNATURE  # refuse_collectively sends rows of this length
+        return sig
 
     names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, seq_len)"
     body = S - prefix - suffix

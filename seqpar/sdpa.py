@@ -20,23 +20,34 @@ The patch is the one piece of process-wide state in seqpar and is kept as small 
   A thread with no open context (or whose innermost entry is :func:`local_sdpa`) gets the original
   SDPA, so other threads are never affected. Contexts nest; the innermost wins.
 
-What the patch does not reach:
+What the patch reaches and what it refuses (``docs/howto-dit.md`` has the table):
 
-- names bound before the patch, e.g. ``from torch.nn.functional import
-  scaled_dot_product_attention`` at import time, or ``torch._C._nn.scaled_dot_product_attention``;
-  call :func:`scaled_dot_product_attention` (this module) there instead;
-- attention written as explicit matmuls + softmax (e.g. timm with ``fused_attn=False``);
-- graphs already captured by ``torch.compile`` / ``torch.jit``;
-- activation-checkpoint recomputation that runs outside the context or in another thread (the
-  CUDA autograd engine recomputes on its own thread; non-reentrant checkpointing then raises a
-  ``CheckpointError`` about mismatched metadata): pass
-  ``context_fn=lambda: (contextlib.nullcontext(), seqpar.parallel_sdpa(state))`` to
-  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+- ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``: reached through SDPA with
+  ``need_weights=False``; while a context is open the native fused fast path
+  (``torch.backends.mha``) is switched off process-wide, so eval/inference mode goes through
+  SDPA too; ``need_weights=True`` (attention weights over a sharded sequence) is refused;
+- a thread started while a context is open calls SDPA without a context of its own: refused
+  (open ``parallel_sdpa`` or ``local_sdpa`` in that thread); threads that existed before are
+  untouched;
+- ``torch.utils.checkpoint(..., use_reentrant=True)``: its recomputation would run wherever the
+  backward runs, usually outside the context, as plain local attention -- refused at the
+  forward; use ``use_reentrant=False`` with
+  ``context_fn=lambda: (contextlib.nullcontext(), seqpar.parallel_sdpa(state))``;
+- contexts nest and may be exited in any order (each exit removes its own entry).
+
+Not reached (no error is possible, the call never comes through SDPA): names bound before the
+patch, e.g. ``from torch.nn.functional import scaled_dot_product_attention`` at import time, or
+``torch._C._nn.scaled_dot_product_attention`` (call :func:`scaled_dot_product_attention` of this
+module there instead); attention written as explicit matmuls + softmax (e.g. timm with
+``fused_attn=False``); graphs already captured by ``torch.compile`` / ``torch.jit``.
 
 Every SDPA call under the context is treated as **self-attention over sequence shards**: q, k and
 v must all be this rank's shards of the same global sequence. Cross-attention to replicated
 context (text tokens) is local per rank -- run it inside :func:`local_sdpa`; calls whose query and
-key lengths differ are rejected rather than guessed. Joint attention over replicated text tokens
+key lengths differ are rejected rather than guessed (on every rank, when the call checks
+collectively, so that a rank whose lengths happen to match does not go on alone). A cross-attention
+whose context length equals the local length on *every* rank cannot be told from self-attention
+by shapes: such calls must be wrapped in :func:`local_sdpa`. Joint attention over replicated text tokens
 concatenated with sharded image tokens (Flux, SD3) is exact with ``replicated_prefix`` /
 ``replicated_suffix`` (Note [Replicated tokens]); an ``attn_mask`` is refused (it would have to be
 a mask over the global sequence: use ``is_causal``, or call ``seqpar.attention`` with ``window`` /
@@ -47,11 +58,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from .placement.sizes import as_int
@@ -62,7 +76,7 @@ __all__ = ["parallel_sdpa", "local_sdpa", "scaled_dot_product_attention"]
 # See Note [SDPA patch]: the patch bookkeeping (install count, original function) and the
 # per-thread stacks of active states (``None`` = plain SDPA, as in ``local_sdpa``).
 _LOCK = threading.Lock()
-_PATCH: dict[str, object] = {"count": 0, "original": None}
+_PATCH: dict[str, object] = {"count": 0, "original": None, "mha": None, "fastpath": None, "threads": {}}
 _THREAD = threading.local()
 
 
@@ -75,9 +89,12 @@ class _Entry:
     backend: str
     replicated_prefix: int
     replicated_suffix: int
+    token: object = field(default_factory=object, compare=False)
 
 
-def _stack() -> list[_Entry | None]:
+def _stack() -> list[tuple[object, _Entry | None]]:
+    """This thread's open contexts, innermost last: ``(slot mark, entry)``, entry ``None`` for
+    :func:`local_sdpa` (plain SDPA)."""
     stack = getattr(_THREAD, "stack", None)
     if stack is None:
         stack = _THREAD.stack = []
@@ -159,12 +176,14 @@ def scaled_dot_product_attention(
     heads, s_q = query.shape[-3], query.shape[-2]
     heads_kv, s_k = key.shape[-3], key.shape[-2]
     if s_q != s_k or value.shape[-2] != s_k:
-        raise ValueError(
+        from .attention import refuse_collectively
+
+        refuse_collectively(state, query.device, seq_len, ValueError(
             f"parallel_sdpa: query has {s_q} local tokens but key/value have {s_k}/"
             f"{value.shape[-2]}; under parallel_sdpa every SDPA call is self-attention over "
             "sequence shards. Cross-attention to replicated context is exact per rank: run it "
             "inside seqpar.sdpa.local_sdpa()"
-        )
+        ))
     if heads_kv != heads:
         if not enable_gqa:
             raise ValueError(
@@ -210,7 +229,16 @@ def _dispatch(
 ) -> Tensor:
     """The patched ``F.scaled_dot_product_attention``: seqpar for this thread's active state."""
     stack = _stack()
-    top = stack[-1] if stack else None
+    top = stack[-1][1] if stack else None
+    if not stack:
+        _refuse_new_thread()
+    if top is not None and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+        raise RuntimeError(
+            "parallel_sdpa: scaled_dot_product_attention inside torch.utils.checkpoint(..., "
+            "use_reentrant=True): the backward would recompute it wherever backward runs, usually "
+            "outside this context, as plain per-rank attention. Use use_reentrant=False with "
+            "context_fn=lambda: (contextlib.nullcontext(), seqpar.parallel_sdpa(state))"
+        )
     if top is None:
         kwargs = {"scale": scale} if scale is not None else {}
         if enable_gqa:
@@ -218,7 +246,7 @@ def _dispatch(
         return _original_sdpa()(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs
         )
-    stack.append(None)  # an SDPA call made by seqpar itself must not recurse into seqpar
+    stack.append((None, None))  # an SDPA call made by seqpar itself must not recurse into seqpar
     try:
         return scaled_dot_product_attention(
             query,
@@ -239,36 +267,95 @@ def _dispatch(
         stack.pop()
 
 
-def _install() -> None:
+_CHECKPOINT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint``'s reentrant forward."""
+    code = getattr(_CHECKPOINT_FORWARD, "__code__", None)
+    frame = sys._getframe(2)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refuse_new_thread() -> None:
+    """Raise if this thread started while a context was open in another thread (it would silently
+    get plain per-rank attention on sequence shards)."""
+    me = threading.get_ident()
+    with _LOCK:
+        started_inside = any(me not in alive for alive in _PATCH["threads"].values())
+    if started_inside:
+        raise RuntimeError(
+            "parallel_sdpa: scaled_dot_product_attention called from a thread started while a "
+            "parallel_sdpa context was open in another thread; contexts are per thread, so this call "
+            "would be plain per-rank attention. Open seqpar.parallel_sdpa(state) in this thread (or "
+            "seqpar.local_sdpa() for attention that is not over the sharded sequence)"
+        )
+
+
+def _patched_mha_forward(*args, **kwargs):
+    """``F.multi_head_attention_forward`` while patched: refuse attention weights on shards."""
+    stack = _stack()
+    need_weights = args[15] if len(args) > 15 else kwargs.get("need_weights", True)  # its 16th parameter
+    if stack and stack[-1][1] is not None and need_weights:
+        raise NotImplementedError(
+            "parallel_sdpa: nn.MultiheadAttention with need_weights=True (its default) computes "
+            "attention weights over the local shard only; call it with need_weights=False, which "
+            "runs scaled_dot_product_attention over the global sequence"
+        )
+    return _PATCH["mha"](*args, **kwargs)
+
+
+def _install(entry: _Entry | None) -> None:
     with _LOCK:
         if _PATCH["count"] == 0:
             current = F.scaled_dot_product_attention
             if current is not _dispatch:  # (a stale _dispatch may have been put back by others)
                 _PATCH["original"] = current
             F.scaled_dot_product_attention = _dispatch
+            if F.multi_head_attention_forward is not _patched_mha_forward:
+                _PATCH["mha"] = F.multi_head_attention_forward
+            F.multi_head_attention_forward = _patched_mha_forward
+            # The native fused MHA / encoder-layer path bypasses SDPA (eval and inference mode).
+            _PATCH["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
         _PATCH["count"] += 1
+        if entry is not None:
+            _PATCH["threads"][id(entry.token)] = {t.ident for t in threading.enumerate()}
 
 
-def _uninstall() -> None:
+def _uninstall(entry: _Entry | None) -> None:
     with _LOCK:
         _PATCH["count"] -= 1
+        if entry is not None:
+            _PATCH["threads"].pop(id(entry.token), None)
         # Restore only our own patch: if someone patched on top of it, leave theirs. ``_dispatch``
         # keeps forwarding to the original when no context is active, so a stale copy is harmless.
-        if _PATCH["count"] == 0 and F.scaled_dot_product_attention is _dispatch:
-            F.scaled_dot_product_attention = _PATCH["original"]
+        if _PATCH["count"] == 0:
+            if F.scaled_dot_product_attention is _dispatch:
+                F.scaled_dot_product_attention = _PATCH["original"]
+            if F.multi_head_attention_forward is _patched_mha_forward:
+                F.multi_head_attention_forward = _PATCH["mha"]
+            torch.backends.mha.set_fastpath_enabled(_PATCH["fastpath"])
 
 
 @contextlib.contextmanager
 def _push(entry: _Entry | None) -> Iterator[None]:
-    _install()
+    _install(entry)
     stack = _stack()
-    stack.append(entry)
-    depth = len(stack)
+    mark = object()  # this context's own slot: exits in any order remove only their own entry
+    stack.append((mark, entry))
     try:
         yield
     finally:
-        del stack[depth - 1 :]
-        _uninstall()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is mark:
+                del stack[i]
+                break
+        _uninstall(entry)
 
 
 def parallel_sdpa(

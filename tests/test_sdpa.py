@@ -378,3 +378,116 @@ def test_unsupported_arguments_raise():
     with pytest.raises(ValueError, match="ParallelState"):
         parallel_sdpa("not a state")
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# --- what the patch reaches (docs/howto-dit.md's table) -------------------------------------------
+
+
+def _torch_modules_case(ring, ulysses):
+    """nn.MultiheadAttention (need_weights=False) and nn.TransformerEncoder in train and eval mode
+    (eval and no_grad take PyTorch's native fast path unless the context switches it off)."""
+    state = ParallelState(ring, ulysses)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=12, nhead=3, dim_feedforward=24, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).double()
+    mha = nn.MultiheadAttention(12, 3, batch_first=True).double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 31, 12, generator=g, dtype=torch.float64)
+    errs = {}
+    for mode in ("train", "eval"):
+        encoder.train(mode == "train")
+        with torch.no_grad():
+            want = encoder(x)
+            with parallel_sdpa(state):
+                got = encoder(shard(x, state))
+        errs[f"encoder {mode}"] = (got - shard(want, state)).abs().max().item()
+    with torch.no_grad():
+        want = mha(x, x, x, need_weights=False)[0]
+        with parallel_sdpa(state):
+            local = shard(x, state)
+            got = mha(local, local, local, need_weights=False)[0]
+            try:
+                mha(local, local, local)  # need_weights=True by default
+                errs["need_weights refused"] = 1.0
+            except NotImplementedError:
+                errs["need_weights refused"] = 0.0
+    errs["mha"] = (got - shard(want, state)).abs().max().item()
+    return errs
+
+
+def test_torch_attention_modules(pools):
+    for errs in pools(4).run(_torch_modules_case, 2, 2):
+        assert max(errs.values()) < 1e-10, errs
+    assert torch.backends.mha.get_fastpath_enabled()  # restored in this process too
+
+
+def _cross_attention_lengths_case():
+    """Cross-attention under parallel_sdpa whose context length equals the local length on one
+    rank only: every rank raises (none computes sharded self-attention alone)."""
+    state = ParallelState(1, 3)
+    q = torch.randn(1, 2, 5 if state.cp_rank == 0 else 4, 8, dtype=torch.float64)  # shard sizes 5/4/4 (S=13)
+    ctx = torch.randn(1, 2, 5, 8, dtype=torch.float64)  # replicated context of 5 tokens
+    try:
+        with parallel_sdpa(state):
+            F.scaled_dot_product_attention(q, ctx, ctx)
+    except ValueError as e:
+        return str(e)[:80]
+    return "NO ERROR"
+
+
+def test_cross_attention_refused_on_every_rank(pools):
+    for msg in pools(3).run(_cross_attention_lengths_case):
+        assert msg != "NO ERROR", msg
+
+
+def test_reentrant_checkpoint_is_refused():
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    with parallel_sdpa(ParallelState()):
+        with pytest.raises(RuntimeError, match="use_reentrant=True"):
+            checkpoint(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, use_reentrant=True)
+        out = checkpoint(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, use_reentrant=False)
+    torch.testing.assert_close(out, ORIGINAL_SDPA(q, k, v))
+
+
+def test_thread_started_inside_a_context_is_refused():
+    q, k, v = _qkv()
+    seen = {}
+
+    def worker():
+        try:
+            F.scaled_dot_product_attention(q, k, v)
+            seen["result"] = "ran"
+        except RuntimeError as e:
+            seen["result"] = str(e)
+
+    with parallel_sdpa(ParallelState()):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert "thread started while a parallel_sdpa context was open" in seen["result"]
+    t = threading.Thread(target=worker)  # no context open any more: plain SDPA
+    t.start()
+    t.join()
+    assert seen["result"] == "ran"
+
+
+def test_contexts_exit_in_any_order():
+    q, k, v = _qkv()
+    outer, inner = parallel_sdpa(ParallelState()), local_sdpa()
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)  # not LIFO: the local_sdpa context stays in force
+    mask = torch.zeros(9, 9, dtype=torch.float64)
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # plain SDPA: masks allowed
+    inner.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    outer, inner = local_sdpa(), parallel_sdpa(ParallelState())
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    with pytest.raises(ValueError, match="attn_mask is not supported"):  # still seqpar
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    inner.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
