@@ -2,6 +2,10 @@
 
 - :mod:`seqpar.integrations.transformers`: a Hugging Face ``transformers`` attention
   implementation (``attn_implementation="seqpar"``).
+- :mod:`seqpar.integrations.diffusers`: ``parallelize(model, state)`` for diffusers transformers,
+  following the model's ``_cp_plan`` (``docs/howto-diffusers.md``).
+- :mod:`seqpar.integrations.timm`: ``parallelize(model, state)`` for timm's ViT, DeiT and EVA
+  models, prefix tokens replicated (``docs/howto-timm.md``).
 
 Importing this package imports none of those libraries.
 """
