@@ -101,6 +101,7 @@ def _check_state(state: object, where: str) -> None:
             f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}; build one "
             "with seqpar.ParallelState(ring_size=..., ulysses_size=...)"
         )
+    state.check_usable(where)
 
 
 def _resolve_backend(backend: object, q: Tensor, mask: Mask, softcap: float, where: str) -> KernelBackend:
@@ -152,12 +153,12 @@ def refuse_collectively(state: ParallelState, device: torch.device, seq_len: int
     Raises:
         ``error``, always.
     """
-    if _collective_checks(state, device, seq_len is not None):
+    if collective_checks(state, device, seq_len is not None):
         exchange_ints([0, _REFUSED, *([-1] * _DENSE_SIGNATURE)], state.cp_group, device)
     raise error
 
 
-def _collective_checks(state: ParallelState, device: torch.device, lengths_known: bool) -> bool:
+def collective_checks(state: ParallelState, device: torch.device, lengths_known: bool) -> bool:
     """Whether this call checks agreement with one all-gather over the CP group (``state.checks``)."""
     if state.cp_size == 1:
         return False
@@ -205,7 +206,7 @@ def _dense_placement(
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """``(seq_lens, free_lengths)`` of the sharded tokens, per Note [Global length]."""
     R, U, me = state.ring_size, state.ulysses_size, state.cp_rank
-    collective = _collective_checks(state, device, seq_len is not None)
+    collective = collective_checks(state, device, seq_len is not None)
     if seq_len is not None:
         seq_len = as_int(seq_len, "seq_len", where)
         want = _dense_lengths(seq_len, R, U)
@@ -464,7 +465,7 @@ def varlen_attention(
         ]
 
     names = "(seq_lens fingerprint, H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, scale, softcap)"
-    if _collective_checks(state, q.device, lengths_known=True):
+    if collective_checks(state, q.device, lengths_known=True):
         got = _exchange(T, 0, signature, names, state, q.device, where)
     else:  # only this rank's count can be checked without communication
         got = [want[c] if c != state.cp_rank else T for c in range(state.cp_size)]

@@ -397,6 +397,7 @@ def parallel_sdpa(
     """
     if not isinstance(state, ParallelState):
         raise ValueError(f"parallel_sdpa: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    state.check_usable("parallel_sdpa")
     if seq_len is not None:
         seq_len = as_int(seq_len, "seq_len", "parallel_sdpa")
     prefix = as_int(replicated_prefix, "replicated_prefix", "parallel_sdpa")

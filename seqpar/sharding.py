@@ -24,6 +24,7 @@ def _check(x: object, state: object, where: str) -> None:
         raise ValueError(f"{where}: expected a tensor, got {type(x).__name__}")
     if not isinstance(state, ParallelState):
         raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    state.check_usable(where)
 
 
 def _local_ranges(placement: Placement, cp_rank: int) -> list[tuple[int, int]]:

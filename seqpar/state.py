@@ -13,6 +13,7 @@ Every group's members are ordered by their rank along that axis, so a collective
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,16 +30,17 @@ __all__ = ["ParallelState"]
 
 
 def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"ParallelState: {name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def _new_group(
     ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGroup | None, local: bool,
     timeout: timedelta | None, created: list,
 ):
-    """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set.
+    """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set with the
+    same timeout.
 
     With the default group as parent every rank takes part in every ``new_group`` call, which
     is torch's usual contract. With a sub-group as parent only its members call, so groups are
@@ -46,7 +48,7 @@ def _new_group(
     groups the process already has: the parent's members must have created the same number).
     Groups this process belongs to are appended to ``created`` (for :meth:`ParallelState.close`).
     """
-    if ranks == parent_ranks:
+    if ranks == parent_ranks and timeout == group_timeout(parent):
         return parent
     if local:
         pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
@@ -67,8 +69,9 @@ class ParallelState:
         group: parent process group; ``None`` means the default group. ``ring_size *
             ulysses_size`` must divide its size; the remaining factor is data parallelism.
             With ``torch.distributed`` not initialised, only the size-1 state is possible.
-        timeout: how long collectives of the groups this state creates wait; ``None`` takes the
-            parent group's timeout (what ``init_process_group(timeout=...)`` set).
+        timeout: how long collectives over this state's groups wait; ``None`` takes the parent
+            group's timeout (what ``init_process_group(timeout=...)`` set). A group with the
+            parent's ranks is the parent itself unless the timeouts differ.
         checks: when attention calls check that every CP rank passes matching shards and
             options (Note [Global length] in ``seqpar.attention``): ``"auto"`` with a collective
             whenever that costs no host synchronisation -- ``seq_len=None``, or tensors on the
@@ -124,6 +127,7 @@ class ParallelState:
     ) -> None:
         self.workspace = Workspace()
         self._created: list = []
+        self._closed = False
         if checks not in _CHECKS:
             raise ValueError(f"ParallelState: checks must be one of {list(_CHECKS)}, got {checks!r}")
         if checks == "auto" and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
@@ -210,6 +214,21 @@ class ParallelState:
                             timeout, self._created)
             if c == self.cp_rank:
                 self.dp_group = pg
+
+    def check_usable(self, where: str) -> None:
+        """Raise ``ValueError`` if this state cannot serve a call: it was closed, or it was built
+        for one process before ``torch.distributed`` was initialised and the world is now larger
+        (it has no groups, and ``None`` would mean the whole world to a collective)."""
+        if self.parent_group is not None:
+            return
+        if self._closed:
+            raise ValueError(f"{where}: this ParallelState was closed; build a new one")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"{where}: this ParallelState was built before torch.distributed was initialised, so "
+                f"it describes a single process and has no process groups, but the world now has "
+                f"{dist.get_world_size()} ranks; build the state after init_process_group"
+            )
 
     def close(self) -> None:
         """Free the process groups this state created and its workspace (idempotent).

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .placement.sizes import check_seq_lens, offsets
-from .comm import all_reduce
+from .attention import collective_checks
+from .comm import all_reduce, exchange_ints
 from .state import ParallelState
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
 def _check_state(state: object, where: str) -> None:
     if not isinstance(state, ParallelState):
         raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    state.check_usable(where)
 
 
 def _global_count(count: Tensor, state: ParallelState) -> Tensor:
@@ -109,7 +111,10 @@ def sharded_cross_entropy(
             computed in at least float32).
         labels: ``(..., S_local)`` int64, the shard of the *globally shifted* labels
             (``seqpar.shard(shift_labels(input_ids), state)``); ``ignore_index`` marks no target.
-        state: the parallel state (one all-reduce of the valid-token count over ``cp_group``).
+        state: the parallel state (one collective over ``cp_group``: an all-reduce of the
+            valid-token count, or, where ``seqpar.attention`` checks collectively (CPU, or
+            ``checks="always"``), an all-gather of counts and per-rank verdicts so that bad labels
+            on one rank raise on every rank).
         ignore_index: label value excluded from the loss and the count.
 
     Returns:
@@ -121,20 +126,42 @@ def sharded_cross_entropy(
         ValueError: mismatched shapes, non-integer labels, or a bad ``state``.
     """
     _check_state(state, "sharded_cross_entropy")
+    error = None
     if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
-        raise ValueError(
+        error = ValueError(
             f"sharded_cross_entropy: logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} "
             "plus a trailing vocab dim"
         )
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"sharded_cross_entropy: labels must be integer class ids, got {labels.dtype}")
-    flat = logits.reshape(-1, logits.shape[-1])
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat = flat.float()
+    elif labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        error = ValueError(f"sharded_cross_entropy: labels must be integer class ids, got {labels.dtype}")
+    if state.cp_size > 1 and collective_checks(state, logits.device, lengths_known=True):
+        # The count's all-reduce becomes an all-gather that also carries each rank's verdict, so a
+        # rank with bad labels makes every rank raise instead of leaving them waiting.
+        target = None if error else labels.reshape(-1).long()
+        count = 0 if error else int((target != ignore_index).sum())
+        rows = exchange_ints([count, int(error is not None)], state.cp_group, logits.device)
+        if error:
+            raise error
+        bad = [c for c, row in enumerate(rows) if row[1]]
+        if bad:
+            raise ValueError(
+                f"sharded_cross_entropy: cp rank {bad[0]} refused its logits/labels (its own error "
+                "says why); every rank raises so that none waits for it"
+            )
+        total = F.cross_entropy(_float_logits(logits), target, ignore_index=ignore_index, reduction="sum")
+        return total / max(1, sum(row[0] for row in rows))
+    if error:
+        raise error
     target = labels.reshape(-1).long()
-    total = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
+    total = F.cross_entropy(_float_logits(logits), target, ignore_index=ignore_index, reduction="sum")
     count = _global_count((target != ignore_index).sum(), state)
     return total / count.to(total.dtype)
+
+
+def _float_logits(logits: Tensor) -> Tensor:
+    """``(N, V)`` logits, half precision computed in float32."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
 
 
 def sharded_mean(values: Tensor, state: ParallelState) -> Tensor:

@@ -104,20 +104,20 @@ def _cu(lens, device="cpu"):
 
 
 def _check_dense(name, device, dtype_name, b, sq, sk, h, hkv, d, causal, seed=0, window=(-1, -1),
-                 softcap=0.0):
+                 softcap=0.0, scale=None):
     dtype = _DTYPES[dtype_name]
-    options = dict(window=window, softcap=softcap)
+    scale = d**-0.5 if scale is None else scale
+    options = dict(window=window, softcap=softcap, scale=scale)
     backend = get_backend(name, device, dtype, window=window != (-1, -1), softcap=softcap > 0)
     q, k, v, dout = _dense_inputs(b, sq, sk, h, hkv, d, seed)
     ref = _reference_dense(q, k, v, dout, causal, torch.float64, **options)
     same = (_reference_dense(*(t.to(device) for t in (q, k, v, dout)), causal, dtype, **options)
             if dtype_name not in _TOL else ref)
     args = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
-    scale = d**-0.5
-    out, lse = backend.forward(*args[:3], causal=causal, scale=scale, **options)
+    out, lse = backend.forward(*args[:3], causal=causal, **options)
     assert out.dtype == dtype and out.device.type == torch.device(device).type
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    grads = backend.backward(args[3], *args[:3], out, lse, causal=causal, scale=scale, **options)
+    grads = backend.backward(args[3], *args[:3], out, lse, causal=causal, **options)
     for x, g in zip(args[:3], grads):
         assert g.dtype == dtype and g.shape == x.shape
     for what, actual, r, s in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref, same):
@@ -125,9 +125,9 @@ def _check_dense(name, device, dtype_name, b, sq, sk, h, hkv, d, causal, seed=0,
 
 
 def _check_varlen(name, device, dtype_name, lens_q, lens_k, h, hkv, d, causal, seed=0,
-                  window=(-1, -1), softcap=0.0):
+                  window=(-1, -1), softcap=0.0, scale=None):
     dtype = _DTYPES[dtype_name]
-    options = dict(window=window, softcap=softcap)
+    options = dict(window=window, softcap=softcap, scale=d**-0.5 if scale is None else scale)
     backend = get_backend(name, device, dtype, window=window != (-1, -1), softcap=softcap > 0)
     gen = torch.Generator().manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
@@ -140,10 +140,8 @@ def _check_varlen(name, device, dtype_name, lens_q, lens_k, h, hkv, d, causal, s
     args = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     cu = (_cu(lens_q, device), _cu(lens_k, device), max(lens_q, default=0),
           max(lens_k, default=0))
-    out, lse = backend.varlen_forward(*args[:3], *cu, causal=causal, scale=d**-0.5, **options)
-    grads = backend.varlen_backward(
-        args[3], *args[:3], out, lse, *cu, causal=causal, scale=d**-0.5, **options
-    )
+    out, lse = backend.varlen_forward(*args[:3], *cu, causal=causal, **options)
+    grads = backend.varlen_backward(args[3], *args[:3], out, lse, *cu, causal=causal, **options)
     for what, actual, r, s in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref, same):
         _assert_accurate(what, actual, r, s, dtype_name)
 
@@ -195,6 +193,18 @@ def test_dense_windows(name, causal, sq, sk, window):
     for dtype_name in ("float64", "float32", "bfloat16"):
         _check_dense(name, "cpu", dtype_name, 2, sq, sk, 4, 2, 16, causal, seed=sq + sk,
                      window=window)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (5, 0), (3, 7)])
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_non_positive_scale(name, window, scale):
+    # The CPU kernel scales after its causal -inf: a scale <= 0 once gave all-NaN rows.
+    causal = window[1] == 0
+    _check_dense(name, "cpu", "float64", 2, 37, 37, 4, 2, 16, causal, window=window, scale=scale)
+    _check_dense(name, "cpu", "float32", 1, 29, 41, 3, 1, 16, causal, window=window, scale=scale)
+    _check_varlen(name, "cpu", "float64", [9, 1, 20], [9, 1, 20], 4, 2, 16, causal, window=window,
+                  scale=scale)
 
 
 def test_cpu_windows_tile_large_blocks(monkeypatch):

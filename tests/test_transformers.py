@@ -227,6 +227,63 @@ def test_llama4_temperature_tuning_beyond_floor_scale_refused(pools):
         assert msg is not None and "attn_temperature_tuning" in msg and "floor_scale=4" in msg
 
 
+def _one_rank_refuses(ring, ulysses):
+    """Checks of one rank's own data that fail on some ranks only: every rank raises, none waits."""
+    state = ParallelState(ring, ulysses)
+    S = 37
+    _, model = _models(register(state, name=f"seqpar-test-refuse-{ring}x{ulysses}"))
+    ids = shard(torch.randint(0, VOCAB, (1, S)), state)
+    right = shard_positions(S, state)[None]
+    n = ids.shape[1]
+    out = {}
+
+    def attempt(name, **kwargs):
+        try:
+            model(input_ids=ids, **kwargs)
+            out[name] = None
+        except (ValueError, NotImplementedError) as e:
+            out[name] = str(e)
+
+    # Positions as if the sequence were split contiguously, on cp rank 1 only.
+    contiguous = (torch.arange(n) + state.cp_rank * n)[None]
+    attempt("positions", position_ids=contiguous if state.cp_rank == 1 else right)
+    attempt("padding", position_ids=right,
+            attention_mask=torch.ones(1, n, dtype=torch.long).index_fill_(1, torch.tensor([0]),
+                                                                          int(state.cp_rank != 2)))
+    attempt("fine", position_ids=right)
+    # Llama 4: floor_scale refused only on the ranks holding the most tokens.
+    lengths = [0] * state.cp_size
+    dist.all_gather_object(lengths, n, group=state.cp_group)
+    floor = state.cp_size * (min(lengths) + 2)
+    l4 = causal_lm_class("llama4")._from_config(
+        tiny_hf_config("llama4", floor_scale=floor), attn_implementation=f"seqpar-test-refuse-{ring}x{ulysses}"
+    )
+    try:
+        l4(input_ids=ids, position_ids=right)
+        out["llama4"] = None
+    except (ValueError, NotImplementedError) as e:
+        out["llama4"] = str(e)
+    out["llama4_own"] = n > min(lengths)
+    state.close()
+    return out
+
+
+def test_one_rank_refusals_raise_on_every_rank():
+    from seqpar.testing import DistPool
+
+    with DistPool(4, timeout_s=30) as pool:  # a rank left waiting would fail within the timeout
+        per_rank = pool.run(_one_rank_refuses, 2, 2)
+    assert any(r["llama4_own"] for r in per_rank) and not all(r["llama4_own"] for r in per_rank)
+    for rank, r in enumerate(per_rank):
+        assert r["fine"] is None
+        for case, culprit in (("positions", 1), ("padding", 2)):
+            assert r[case] is not None, (rank, case)
+            mine = "position_ids" if case == "positions" else "padding masks"
+            assert (mine in r[case]) if rank == culprit else ("refused this call" in r[case]), (rank, r[case])
+        want = "floor_scale" if r["llama4_own"] else "refused this call"
+        assert r["llama4"] is not None and want in r["llama4"], (rank, r["llama4"])
+
+
 # --- single process (size-1 state) -------------------------------------------------------------
 
 

@@ -74,6 +74,7 @@ def _kernel_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """One kernel call on bshd inputs with non-empty sequence dims -> bshd out, [B, H, S] lse."""
+    q, scale = _positive_scale(q, scale)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         last_dim_contiguous(q).transpose(1, 2),
         last_dim_contiguous(k).transpose(1, 2),
@@ -98,6 +99,8 @@ def _kernel_backward(
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One backward kernel call on bshd inputs; ``lse`` must come from :func:`lse_for_backward`."""
+    given = scale
+    q, scale = _positive_scale(q, scale)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         last_dim_contiguous(dout.to(q.dtype)).transpose(1, 2),
         last_dim_contiguous(q).transpose(1, 2),
@@ -110,7 +113,25 @@ def _kernel_backward(
         attn_mask=mask,
         scale=scale,
     )
+    if given < 0:
+        dq = dq.neg_()
+    elif given == 0:
+        dq = dq.zero_()
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _positive_scale(q: Tensor, scale: float) -> tuple[Tensor, float]:
+    """``(q', s')`` with ``s' > 0`` and ``s' * q' == scale * q``.
+
+    The CPU kernel scales after applying its causal ``-inf``, so a scale ``<= 0`` turns masked
+    scores into ``+inf`` or NaN. Scores depend only on ``scale * q``: negate ``q`` for a negative
+    scale and zero it for a zero scale (the caller fixes ``dq`` back).
+    """
+    if scale > 0:
+        return q, scale
+    if scale < 0:
+        return q.neg(), -scale
+    return torch.zeros_like(q), 1.0
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ def _exchange(
     out_role: str | None = None,
     release_inputs: bool = False,
 ) -> torch.Tensor:
-    """No-grad core. Returns the combined output in the input's dim order (a strided view).
+    """No-grad core. Returns the combined output in the input's dim order (strided; a view only
+    of a workspace buffer or, with one rank, of the staging copy).
 
     Several tensors travel in one collective, stacked in every rank's block along ``stack``:
 
@@ -122,11 +123,28 @@ def _exchange(
         piece = x = None  # the loop's last references
         xs.clear()
     if n == 1:
-        recv = staging.view(out_shape)
-    else:
-        recv = buffer(out_role, sum(recv_numel)).view(out_shape)
-        dist.all_to_all_single(recv.view(-1), staging, recv_numel, send_numel, group=group)
-    return recv.movedim(0, gather_dim)
+        return staging.view(out_shape).movedim(0, gather_dim)
+    if workspace is not None and out_role is not None:
+        recv = workspace.get(out_role, (sum(recv_numel),), x0.dtype, x0.device)
+        dist.all_to_all_single(recv, staging, recv_numel, send_numel, group=group)
+        return recv.view(out_shape).movedim(0, gather_dim)
+    # A fresh output is allocated in its final dim order, so that it is a tensor of its own (not
+    # a view): callers may then modify it in place.
+    out = _empty_moved(out_shape, gather_dim, x0)
+    dist.all_to_all_single(out.as_strided((out.numel(),), (1,)), staging, recv_numel, send_numel, group=group)
+    return out
+
+
+def _empty_moved(shape: Sequence[int], gather_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """``torch.empty(shape).movedim(0, gather_dim)`` as a base tensor (same strides, no view)."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    order = list(range(1, len(shape)))
+    order.insert(gather_dim, 0)
+    return torch.empty_strided(
+        [shape[d] for d in order], [strides[d] for d in order], dtype=like.dtype, device=like.device
+    )
 
 
 def fused_all_to_all(
@@ -146,12 +164,15 @@ def fused_all_to_all(
     For code that writes its own backward (``seqpar.parallel.ulysses``): ``ranges[t][j]`` is the
     ``(start, length)`` of tensor ``t`` sent to rank ``j`` along ``scatter_dim``; ``gather_sizes``
     every rank's ``gather_dim`` length. Returns one view per tensor of one receive buffer (a
-    ``workspace`` buffer of ``out_role`` if given: then valid only until that role is reused).
+    ``workspace`` buffer of ``out_role`` if given: then valid only until that role is reused); a
+    single tensor with no ``out_role`` comes back as a tensor of its own, not a view.
     """
     combined = _exchange(
         xs, group, scatter_dim, gather_dim, ranges, gather_sizes, "scatter", workspace, out_role, release_inputs
     )
     me = group_rank(group)
+    if len(ranges) == 1:
+        return [combined]
     outs, sub = [], 0
     for r in ranges:
         outs.append(combined.narrow(scatter_dim, sub, r[me][1]))

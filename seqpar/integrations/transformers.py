@@ -52,6 +52,10 @@ Two things transformers derives from the shard's own tokens are undone or refuse
   without communication, from the bound ``S < cp_size * (S_local + 2)``, so a sequence less than
   about ``2 * cp_size`` tokens shorter than ``floor_scale`` may be refused on some ranks too.
 
+Such checks look at one rank's own data (its positions, its padding mask, its length) and can fail
+on some ranks only; a failing rank joins the first layer's length exchange with a refusal
+(``seqpar.attention.refuse_collectively``), so every CP rank raises instead of waiting.
+
 A 4-D mask passed in by the caller skips the mask function and reaches the attention function as
 is: the plain causal pattern (bool lower triangle, or additive ``0``/``-inf``) of a shard is read as
 ``causal=True``, an all-attend mask as ``causal=False``; any other mask is rejected. Padding masks,
@@ -93,8 +97,9 @@ with a window or chunk mask on every probed row but not elsewhere would be misse
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -445,6 +450,19 @@ def _check_temperature_tuning(module: torch.nn.Module, n: int, state: ParallelSt
         )
 
 
+@contextlib.contextmanager
+def _refusing_together(state: ParallelState, device: torch.device) -> Iterator[None]:
+    """Checks on one rank's own data: a failure also makes the other CP ranks' next
+    ``seqpar.attention`` call (the first layer's, which exchanges lengths) raise, instead of
+    leaving them waiting for this rank until the process group's timeout."""
+    from ..attention import refuse_collectively
+
+    try:
+        yield
+    except (ValueError, NotImplementedError) as error:
+        refuse_collectively(state, device, None, error)
+
+
 # --- transformers entry points --------------------------------------------------------------------
 
 
@@ -515,9 +533,10 @@ def attention_forward(
         )
     mask = _layer_mask(module, attention_mask, is_causal, kwargs, n)
     position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
-        _check_positions(position_ids, state)
-    _check_temperature_tuning(module, n, state)
+    with _refusing_together(state, query.device):
+        if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
+            _check_positions(position_ids, state)
+        _check_temperature_tuning(module, n, state)
 
     from ..attention import attention
 
@@ -573,16 +592,19 @@ def mask_function(
             f"{q_offset}, {kv_offset}): decoding with a KV cache and cross-attention are not "
             "supported on sequence shards; call the model with use_cache=False"
         )
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError(
-            "seqpar attention: padding masks are not supported on sequence shards (the attention_mask "
-            "has zeros); drop padding, or pack the sequences and use seqpar.varlen_attention"
-        )
     if mask_function is None:
         from transformers.masking_utils import causal_mask_function as mask_function
     base, position_ids = _unwrap_packing(mask_function)
-    if position_ids is not None:
-        _check_positions(position_ids, state)
+    device = attention_mask.device if isinstance(attention_mask, Tensor) else torch.device("cpu")
+    with _refusing_together(state, device):
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError(
+                "seqpar attention: padding masks are not supported on sequence shards (the "
+                "attention_mask has zeros); drop padding, or pack the sequences and use "
+                "seqpar.varlen_attention"
+            )
+        if position_ids is not None:
+            _check_positions(position_ids, state)
     if state.cp_size == 1:
         grid = max(q_length, 2)  # two positions tell causal from bidirectional
     else:
