@@ -394,9 +394,9 @@ def _torch_modules_case(ring, ulysses):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 31, 12, generator=g, dtype=torch.float64)
     errs = {}
-    for mode in ("train", "eval"):
+    for mode in ("train", "eval", "inference"):
         encoder.train(mode == "train")
-        with torch.no_grad():
+        with torch.inference_mode() if mode == "inference" else torch.no_grad():
             want = encoder(x)
             with parallel_sdpa(state):
                 got = encoder(shard(x, state))
