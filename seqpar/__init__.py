@@ -1,7 +1,8 @@
 """seqpar: exact sequence/context parallelism for attention in PyTorch."""
 
-from . import comm, placement, training
+from . import comm, placement, rng, training
 from .attention import SequenceParallelAttention, attention, varlen_attention
+from .planner import plan  # seqpar.plan(cp_size, ...): the degree planner (seqpar.planner)
 from .sdpa import local_sdpa, parallel_sdpa
 from .sharding import shard, shard_packed, shard_packed_positions, shard_positions, unshard, unshard_packed
 from .state import ParallelState
@@ -24,4 +25,6 @@ __all__ = [
     "parallel_sdpa",
     "local_sdpa",
     "training",
+    "rng",
+    "plan",
 ]

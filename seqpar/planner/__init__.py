@@ -1,0 +1,36 @@
+"""The degree planner: which ring x Ulysses split of a CP group runs a layer fastest.
+
+::
+
+    cost = seqpar.planner.calibrate(seqpar.ParallelState(1, world))   # once per cluster, collective
+    choice = seqpar.plan(8, seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128, cost=cost)
+    print(choice)                                                      # every candidate + why
+    state = choice.state()                                             # ParallelState(R, U)
+
+- :mod:`.cost`: :class:`CostModel`, what bytes, messages and FLOPs cost (Note [Planner cost
+  model]), presets and JSON;
+- :mod:`.predict`: one factorisation's bytes, memory, balance and time from the exact placement
+  and ring plan (Note [Planner prediction]);
+- :mod:`.choose`: :func:`plan` and :class:`DegreePlan`;
+- :mod:`.calibration`: :func:`calibrate`, the measurements (Note [Planner calibration]).
+
+``docs/planner.md`` describes the model and its limits.
+"""
+
+from .calibration import calibrate
+from .choose import DegreePlan, plan
+from .cost import PRESETS, CostModel, KernelRates, Link
+from .predict import Candidate, Shape, predict
+
+__all__ = [
+    "plan",
+    "DegreePlan",
+    "Candidate",
+    "Shape",
+    "predict",
+    "CostModel",
+    "KernelRates",
+    "Link",
+    "PRESETS",
+    "calibrate",
+]

@@ -1,0 +1,257 @@
+"""``plan``: predict every ring x Ulysses factorisation of a CP group and choose one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..checks import check_gqa, check_mask_options
+from ..placement import Mask
+from ..placement.sizes import as_int
+from ..state import ParallelState
+from .cost import CostModel
+from .predict import Candidate, Shape, predict
+
+__all__ = ["DegreePlan", "plan"]
+
+
+def _mib(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point (``"12.3 MiB"``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _ms(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+@dataclass(frozen=True)
+class DegreePlan:
+    """The planner's answer for one layer shape on ``cp_size`` ranks (see :func:`plan`).
+
+    Attributes:
+        cp_size: ``N``; ranks_per_node: consecutive ranks sharing a node.
+        shape: the layer (``seq_len``, heads, ``head_dim``, ``batch``, mask, element size).
+        cost: the :class:`~seqpar.planner.CostModel` used.
+        candidates: one :class:`~seqpar.planner.Candidate` per factorisation ``R x U = N``,
+            by increasing ring size.
+        chosen: the candidate with the lowest predicted time (ties: less memory).
+        explanation: one paragraph saying why.
+    """
+
+    cp_size: int
+    ranks_per_node: int
+    shape: Shape
+    cost: CostModel
+    candidates: tuple[Candidate, ...]
+    chosen: Candidate
+    explanation: str
+
+    @property
+    def ring_size(self) -> int:
+        """``R`` of the chosen factorisation."""
+        return self.chosen.ring_size
+
+    @property
+    def ulysses_size(self) -> int:
+        """``U`` of the chosen factorisation."""
+        return self.chosen.ulysses_size
+
+    def candidate(self, ring_size: int, ulysses_size: int) -> Candidate:
+        """The prediction for ``R x U``.
+
+        Raises:
+            ValueError: ``R * U`` is not a factorisation of ``cp_size``, listing the valid ones.
+        """
+        for c in self.candidates:
+            if (c.ring_size, c.ulysses_size) == (ring_size, ulysses_size):
+                return c
+        valid = [(c.ring_size, c.ulysses_size) for c in self.candidates]
+        raise ValueError(f"DegreePlan.candidate: ({ring_size}, {ulysses_size}) is not one of {valid}")
+
+    def state(self, group: dist.ProcessGroup | None = None) -> ParallelState:
+        """``ParallelState(ring_size=R, ulysses_size=U, group=group)`` of the chosen factorisation
+        (a collective constructor: every rank of ``group`` calls it)."""
+        return ParallelState(ring_size=self.ring_size, ulysses_size=self.ulysses_size, group=group)
+
+    def table(self) -> str:
+        """The candidates as a plain-text table (the chosen one marked ``*``)."""
+        head = ("", "ring x ulysses", "time/layer", "all-to-all", "ring K/V", "memory", "imbalance", "heads/rank")
+        rows = [head]
+        for c in self.candidates:
+            heads = sorted(set(c.heads))
+            rows.append((
+                "*" if c is self.chosen else "",
+                f"{c.ring_size} x {c.ulysses_size}",
+                _ms(c.time_s),
+                _mib(c.ulysses_bytes),
+                _mib(c.ring_bytes),
+                _mib(c.memory_bytes),
+                f"{c.imbalance:.3f}",
+                "-".join(str(h) for h in reversed(heads)),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+    def __str__(self) -> str:
+        return f"{self.table()}\n\n{self.explanation}"
+
+
+def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, cands: list[Candidate],
+             best: Candidate) -> str:
+    S, H, Hkv, D = shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    mask = Mask(shape.causal, shape.window).describe()
+    what = f"S={S}, H={H}, Hkv={Hkv}, D={D}, batch {shape.batch}, {mask}, {shape.element_size}-byte elements"
+    if len(cands) == 1:
+        return (f"cp_size {cp_size}: {best.label()} is the only factorisation ({what}); predicted "
+                f"{_ms(best.time_s)} per layer, forward and backward. Costs: {cost.name}.")
+    others = sorted((c for c in cands if c is not best), key=lambda c: c.time_s)
+    runner = others[0]
+    worst = others[-1]
+    against = f"{_ms(runner.time_s)} for {runner.label()}"
+    if worst is not runner:
+        against += f" and {_ms(worst.time_s)} for {worst.label()}"
+    parts = [
+        f"For {what} on {cp_size} ranks ({ranks_per_node} per node), {best.label()} is predicted "
+        f"fastest at {_ms(best.time_s)} per layer (forward and backward), against {against}."
+    ]
+    gains = {k: runner.parts[k] - best.parts[k] for k in best.parts}
+    reason = max(gains, key=gains.get)
+    if gains[reason] > 0:
+        detail = {
+            "all-to-all": (
+                f"its all-to-alls cost {_ms(best.parts['all-to-all'])} against {_ms(runner.parts['all-to-all'])} "
+                f"(Ulysses sends {_mib(best.ulysses_bytes)} per rank against {_mib(runner.ulysses_bytes)}; "
+                "an all-to-all moves every token whatever the mask and hides behind nothing)"
+            ),
+            "ring transfer": (
+                f"its ring adds {_ms(best.parts['ring transfer'])} to the compute against "
+                f"{_ms(runner.parts['ring transfer'])} (the ring sends {_mib(best.ring_bytes)} per rank against "
+                f"{_mib(runner.ring_bytes)} over {best.ring_size - 1} against {runner.ring_size - 1} steps; "
+                f"{cost.overlap:.0%} of a step's shorter side hidden by overlap)"
+            ),
+            "kernels": (
+                f"its kernels take {_ms(best.parts['kernels'])} against {_ms(runner.parts['kernels'])} "
+                f"(work imbalance {best.imbalance:.3f} against {runner.imbalance:.3f}, and fewer, larger kernel calls)"
+            ),
+            "element-wise": (
+                f"it spends {_ms(best.parts['element-wise'])} on LSE merges and gradient sums against "
+                f"{_ms(runner.parts['element-wise'])} (fewer ring steps to merge)"
+            ),
+        }[reason]
+        parts.append(f"The largest difference to the runner-up: {detail}.")
+    uneven = [c for c in cands if c.ulysses_size > 1 and (H % c.ulysses_size or c.kv_replication > 1)]
+    for c in uneven[:2]:
+        note = f"With U={c.ulysses_size} the {H} query heads split {list(c.heads)}"
+        if c.idle_ranks:
+            note += f", leaving {c.idle_ranks} of every {c.ulysses_size} ranks without a head"
+        if c.kv_replication > 1:
+            note += f", and the {Hkv} K/V heads are sent {c.kv_replication:.2g}x (a K/V head to every rank that reads it)"
+        parts.append(note + f" (imbalance {c.imbalance:.3f}).")
+    left = shape.mask.window[0]
+    if left >= 0 and any(c.ring_size > 1 for c in cands):
+        ring = max(cands, key=lambda c: c.ring_size)
+        chunk = S // (2 * ring.ring_size)
+        if left < chunk:
+            parts.append(
+                f"The window of {left} keys is shorter than a zig-zag chunk ({chunk} tokens at R={ring.ring_size}), "
+                f"so a ring step sends only the rows the window reads ({_mib(ring.ring_bytes)} per rank at R={ring.ring_size})."
+            )
+    cross = [c.label() for c in cands if "inter" in (c.ulysses_link, c.ring_link)]
+    if cross:
+        parts.append(f"Crossing nodes: {', '.join(cross)} (Ulysses across nodes pays the slower link on every all-to-all).")
+    if cost.compute_capacity is not None:
+        parts.append(
+            f"Ranks share compute here (about {cost.compute_capacity:.2g} ranks of a node run at full speed at "
+            "once), so a rank without work frees compute for the others."
+        )
+    lightest = min(cands, key=lambda c: c.memory_bytes)
+    if lightest is not best and lightest.memory_bytes < 0.8 * best.memory_bytes:
+        parts.append(
+            f"If memory is tight, {lightest.label()} holds {_mib(lightest.memory_bytes)} per rank against "
+            f"{_mib(best.memory_bytes)}."
+        )
+    parts.append(f"Costs: {cost.name}.")
+    return " ".join(parts)
+
+
+def plan(
+    cp_size: int,
+    *,
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    ranks_per_node: int = 8,
+    batch: int = 1,
+    window: tuple[int, int] = (-1, -1),
+    cost: CostModel | None = None,
+) -> DegreePlan:
+    """Choose the ring and Ulysses sizes of a CP group for one attention layer shape.
+
+    Every factorisation ``R x U = cp_size`` is predicted from the exact placement, head
+    assignment and ring plan seqpar would run (Note [Planner prediction] in
+    ``seqpar.planner.predict``) and the cost model (Note [Planner cost model]); the fastest is
+    chosen. Pure host maths, no communication; milliseconds for a few candidates.
+
+    Args:
+        cp_size: ``N``, ranks in the CP group.
+        seq_len: ``S``, global tokens per sequence.
+        num_heads, num_kv_heads: ``H`` and ``Hkv`` (``H % Hkv == 0``).
+        head_dim: ``D``.
+        causal, window: the mask in global positions (as ``seqpar.attention``).
+        dtype: dtype of q, k, v (element size for the bytes).
+        ranks_per_node: consecutive ranks sharing a node (Ulysses is innermost:
+            ``cp_rank = ring_rank * U + ulysses_rank``).
+        batch: ``B``, sequences per step.
+        cost: a :class:`~seqpar.planner.CostModel` (``seqpar.planner.calibrate`` measures one);
+            ``None``: ``CostModel.preset("h100")``.
+
+    Returns:
+        A :class:`DegreePlan`: ``.ring_size``, ``.ulysses_size``, every candidate's bytes,
+        memory, balance and time, ``.explanation``, and ``.state(group)`` to build the state.
+
+    Raises:
+        ValueError: a non-positive or non-int size, ``H`` not a multiple of ``Hkv``, a bad window,
+            a non-floating dtype or a cost that is not a ``CostModel``.
+    """
+    where = "seqpar.plan"
+    cp_size = as_int(cp_size, "cp_size", where, minimum=1)
+    seq_len = as_int(seq_len, "seq_len", where, minimum=1)
+    num_heads = as_int(num_heads, "num_heads", where, minimum=1)
+    num_kv_heads = as_int(num_kv_heads, "num_kv_heads", where, minimum=1)
+    head_dim = as_int(head_dim, "head_dim", where, minimum=1)
+    ranks_per_node = as_int(ranks_per_node, "ranks_per_node", where, minimum=1)
+    batch = as_int(batch, "batch", where, minimum=1)
+    check_gqa(num_heads, num_kv_heads, where)
+    causal, window, _, _ = check_mask_options(causal, window, None, 0.0, where)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if cost is None:
+        cost = CostModel.preset("h100")
+    if not isinstance(cost, CostModel):
+        raise ValueError(
+            f"{where}: cost must be a seqpar.planner.CostModel (seqpar.planner.calibrate(state), "
+            f"CostModel.load(path) or CostModel.preset(name)), got {type(cost).__name__}"
+        )
+    shape = Shape(
+        seq_len, num_heads, num_kv_heads, head_dim, batch, causal, window,
+        torch.empty((), dtype=dtype).element_size(),
+    )
+    cands = [
+        predict(shape, r, cp_size // r, ranks_per_node, cost) for r in range(1, cp_size + 1) if cp_size % r == 0
+    ]
+    best = min(cands, key=lambda c: (c.time_s, c.memory_bytes))
+    return DegreePlan(
+        cp_size, ranks_per_node, shape, cost, tuple(cands), best,
+        _explain(shape, cp_size, ranks_per_node, cost, cands, best),
+    )
+

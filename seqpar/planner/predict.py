@@ -1,0 +1,399 @@
+"""What one ring x Ulysses factorisation costs: bytes, memory, balance and time (host maths only).
+
+Note [Planner prediction]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+For one attention layer, forward and backward, of ``S`` tokens over ring ``R`` x Ulysses ``U``
+(``cp_rank = ring_rank * U + ulysses_rank``, ranks of a node consecutive), the prediction follows
+what ``seqpar.attention`` runs, piece by piece:
+
+1. **Ulysses** (``U > 1``, per ring rank): four fused all-to-alls (Note [Ulysses memory] in
+   ``seqpar.parallel.ulysses``): forward q, k, v to heads and the output back; backward q, k, v,
+   out, dout to heads and dq, dk, dv back. Every rank's bytes come from its token count
+   (``Placement.ulysses_sizes``) and its heads (``head_assignments``: query heads by
+   ``split_sizes(H, U)``, K/V heads replicated where a group of query heads is cut).
+2. **Ring**: the exact plan of every ring rank (``ring_plan``): per step, the K/V rows sent and
+   received (``send_rows`` / ``recv_rows``, which already leave out what a causal mask or a window
+   never reads) times the rank's K/V heads (expanded as the kernel sees them), and backward the
+   same K/V again plus dK/dV going back. Ranks without a query head (``H < U``) skip the ring.
+3. **Kernels**: every call of the plan, ``4 * D`` (forward) and ``10 * D`` (backward) FLOPs per
+   computed pair and head -- the attended pairs (``tile_pairs``) plus the block kind's
+   ``extra_keys`` per query row -- at the cost model's rate for the kind.
+4. **Element-wise passes**: LSE merges and casts of the fp32 accumulators in the forward,
+   gradient accumulation and sums in the backward, at ``memory_bandwidth``.
+
+A ring step lasts ``C + X - overlap * min(C, X) + ring_step_s``: ``C`` the slowest rank's compute (with
+``compute_capacity``, at least a node's summed compute over its capacity), ``X`` the slowest
+rank's transfer in flight (forward: the next K/V; backward: the next K/V and the previous
+step's gradients). All-to-alls do not overlap anything. Summed over phases, that is the predicted
+time of the layer.
+
+The memory estimate is the bytes one rank holds at the peak of the layer's backward: the shards of
+q, k, v, out, dout and their gradients, the head-sharded copies and staging buffers of the
+all-to-alls, the fp32 accumulators, the ring's K/V and gradient buffers (two slots each) and the
+largest kernel result -- the buffers Notes [Workspace] and [Ring schedule] describe, not the
+allocator's fragmentation or kernel scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..parallel.ulysses import HeadAssignment, head_assignments
+from ..placement import Mask, Placement, imbalance, ring_plan
+from ..placement.blocks import RingPlan, tile_pairs
+from .cost import CostModel, Link
+
+__all__ = ["Shape", "Candidate", "predict"]
+
+_FWD_FLOPS, _BWD_FLOPS = 4, 10  # per computed (query, key) pair, head and head-dim element
+_SPLIT_KEYS_FROM = 512  # as in seqpar.parallel.ring: its backward cuts unmasked blocks this wide in two
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention layer: ``B`` sequences of ``S`` tokens, ``H`` / ``Hkv`` heads of dim ``D``.
+
+    ``element_size`` is the bytes of one element of q, k, v (2 for bf16).
+    """
+
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int
+    causal: bool
+    window: tuple[int, int]
+    element_size: int
+
+    @property
+    def mask(self) -> Mask:
+        """The mask as ``seqpar.attention`` runs it (a window no sequence reaches is dropped)."""
+        return Mask(self.causal, self.window).normalised(self.seq_len)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The prediction for one factorisation ``R x U`` (per rank, one layer, forward + backward).
+
+    Attributes:
+        ring_size, ulysses_size: ``R`` and ``U``.
+        time_s: predicted seconds.
+        parts: that time split into ``"all-to-all"``, ``"ring transfer"`` (what transfers and
+            ``ring_step_s`` add to the ring's compute), ``"kernels"`` and ``"element-wise"``.
+        ulysses_bytes, ring_bytes: bytes the busiest rank sends (all-to-alls; ring K/V, dK/dV).
+        memory_bytes: peak bytes of the layer's tensors on the busiest rank (an estimate).
+        imbalance: attention work ``max / mean`` over the CP ranks (``attention_work``).
+        heads: query heads per Ulysses rank (``split_sizes(H, U)``).
+        kv_heads: K/V heads each Ulysses rank receives (``head_assignments``).
+        kv_replication: ``sum(kv_heads) / Hkv``: 1.0 when no K/V head is sent to two ranks.
+        ulysses_link, ring_link: ``"intra"``, ``"inter"`` (some traffic crosses nodes) or ``"none"``.
+    """
+
+    ring_size: int
+    ulysses_size: int
+    time_s: float
+    parts: dict[str, float]
+    ulysses_bytes: int
+    ring_bytes: int
+    memory_bytes: int
+    imbalance: float
+    heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    kv_replication: float
+    ulysses_link: str
+    ring_link: str
+
+    @property
+    def idle_ranks(self) -> int:
+        """Ulysses ranks (per ring rank) with no query head: ``max(U - H, 0)``."""
+        return sum(1 for h in self.heads if h == 0)
+
+    def label(self) -> str:
+        """``"ring R x ulysses U"``."""
+        return f"ring {self.ring_size} x ulysses {self.ulysses_size}"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def _ring_plans(seq_len: int, ring_size: int, mask: Mask) -> tuple[RingPlan, ...]:
+    """Every ring rank's plan of a dense sequence (independent of ``U``: the Ulysses split comes
+    after the ring placement). ``R`` plans of ``R`` steps: the planner's main cost."""
+    placement = Placement.dense(seq_len, ring_size, 1)
+    return tuple(ring_plan(placement, r, mask, varlen=False) for r in range(ring_size))
+
+
+@dataclass(frozen=True)
+class _StepWork:
+    """One ring step of one ring rank, per query head and batch row (Note [Planner prediction])."""
+
+    pairs: int  # attended (query, key) pairs
+    kinds: dict[str, tuple[int, int, int]]  # block kind -> (attended pairs, query rows, full pairs)
+    fwd_calls: int
+    bwd_calls: int  # the backward cuts wide unmasked blocks in two
+    q_rows: int  # query rows merged into the accumulators
+    k_rows: int  # key rows whose gradients are produced
+    send_rows: int
+    recv_rows: int
+
+
+def _step_work(plan: RingPlan, i: int) -> _StepWork:
+    step = plan.steps[i]
+    tiles = step.tiles
+    sq, sk = tiles.q1 - tiles.q0, tiles.k1 - tiles.k0
+    unbounded = tiles.wl < 0
+    masks = {"full": unbounded & (tiles.wr < 0), "causal": unbounded & (tiles.wr == 0) & (sq == sk)}
+    masks["window"] = ~(masks["full"] | masks["causal"])
+    kinds = {}
+    for kind, sel in masks.items():
+        if bool(sel.any()):
+            kinds[kind] = (tile_pairs(tiles.select(sel)), int(sq[sel].sum()), int((sq[sel] * sk[sel]).sum()))
+    wide = int((masks["full"] & (sk >= _SPLIT_KEYS_FROM)).sum()) if i > 0 else 0
+    return _StepWork(
+        sum(p for p, _, _ in kinds.values()), kinds, len(step.calls), len(step.calls) + wide,
+        int(sq.sum()), int(sk.sum()), sum(b - a for a, b in step.send_rows), sum(b - a for a, b in step.recv_rows),
+    )
+
+
+def _kernel_seconds(work: _StepWork, heads: int, batch: int, head_dim: int, cost: CostModel, backward: bool) -> float:
+    """Kernel time of one step: per call a latency, per computed pair (attended pairs plus
+    ``extra_keys`` per query row, at most the whole block) its FLOPs at the kind's rate."""
+    if heads == 0:
+        return 0.0
+    seconds = (work.bwd_calls if backward else work.fwd_calls) * cost.kernel_latency_s
+    for kind, (pairs, rows, full) in work.kinds.items():
+        rates = cost.kernel[kind]
+        computed = min(pairs + rows * rates.extra_keys, full)
+        flops = (_BWD_FLOPS if backward else _FWD_FLOPS) * computed * head_dim * heads * batch
+        seconds += flops / (rates.backward if backward else rates.forward)
+    return seconds
+
+
+def _combine(per_rank: list[float], nodes: list[int], cost: CostModel) -> float:
+    """Duration of a phase in which rank ``c`` computes ``per_rank[c]`` seconds on node ``nodes[c]``."""
+    slowest = max(per_rank, default=0.0)
+    if cost.compute_capacity is None:
+        return slowest
+    load: dict[int, float] = {}
+    for t, n in zip(per_rank, nodes):
+        load[n] = load.get(n, 0.0) + t
+    return max(slowest, max(load.values(), default=0.0) / cost.compute_capacity)
+
+
+def _overlapped(compute: float, transfer: float, overlap: float) -> float:
+    return compute + transfer - overlap * min(compute, transfer)
+
+
+def _a2a_phase(
+    placement: Placement, heads: list[HeadAssignment], q_mult: int, kv_mult: int, to_heads: bool,
+    shape: Shape, ranks_per_node: int, cost: CostModel,
+) -> tuple[float, list[int], bool]:
+    """``(seconds, bytes sent per cp rank, crosses nodes)`` of one fused all-to-all per ring rank.
+
+    ``to_heads``: token shards -> head shards (rank ``i`` sends rank ``j`` its tokens of ``j``'s
+    heads); else the reverse. Each tensor counts ``q_mult`` query-head and ``kv_mult`` K/V-head
+    tensors.
+    """
+    R, U = placement.ring_size, placement.ulysses_size
+    row = shape.head_dim * shape.element_size * shape.batch
+    width = [q_mult * a.q_len + kv_mult * a.kv_len for a in heads]
+    sent = [0] * (R * U)
+    seconds = 0.0
+    crosses = False
+    for r in range(R):
+        sizes = placement.ulysses_sizes(r)
+        # bytes[i][j]: from Ulysses rank i to j.
+        if to_heads:
+            moved = [[sizes[i] * width[j] * row for j in range(U)] for i in range(U)]
+        else:
+            moved = [[sizes[j] * width[i] * row for j in range(U)] for i in range(U)]
+        for i in range(U):
+            c = r * U + i
+            out = {"intra": 0, "inter": 0}
+            inn = {"intra": 0, "inter": 0}
+            peers = {"intra": 0, "inter": 0}
+            for j in range(U):
+                if j == i:
+                    continue
+                link = "intra" if c // ranks_per_node == (r * U + j) // ranks_per_node else "inter"
+                out[link] += moved[i][j]
+                inn[link] += moved[j][i]
+                peers[link] += 1
+            sent[c] = out["intra"] + out["inter"]
+            crosses = crosses or peers["inter"] > 0
+            t = max(
+                cost.ulysses_intra.seconds(max(out["intra"], inn["intra"])),
+                cost.ulysses_inter.seconds(max(out["inter"], inn["inter"])),
+            )
+            seconds = max(seconds, t)
+    return seconds, sent, crosses
+
+
+def _link(cost_intra: Link, cost_inter: Link, a: int, b: int, ranks_per_node: int) -> tuple[Link, bool]:
+    inter = a // ranks_per_node != b // ranks_per_node
+    return (cost_inter if inter else cost_intra), inter
+
+
+def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int, cost: CostModel) -> Candidate:
+    """The :class:`Candidate` of ``R x U`` for ``shape`` (Note [Planner prediction]); trusted
+    inputs (``seqpar.planner.plan`` validates them)."""
+    R, U = ring_size, ulysses_size
+    N = R * U
+    S, H, Hkv, D, B, e = (
+        shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size,
+    )
+    placement = Placement.dense(S, R, U)
+    mask = shape.mask
+    heads = head_assignments(H, Hkv, U)
+    h = [a.q_len for a in heads]
+    kvh = [a.kernel_kv_heads for a in heads]  # K/V heads the ring moves (expanded)
+    nodes = [c // ranks_per_node for c in range(N)]
+    row = D * e * B  # bytes of one token of one head
+
+    # 1. Ulysses: four all-to-alls.
+    a2a_s = 0.0
+    a2a_bytes = [0] * N
+    a2a_inter = False
+    if U > 1:
+        for q_mult, kv_mult, to_heads in ((1, 2, True), (1, 0, False), (3, 2, True), (1, 2, False)):
+            t, sent, crosses = _a2a_phase(placement, heads, q_mult, kv_mult, to_heads, shape, ranks_per_node, cost)
+            a2a_s += t
+            a2a_inter = a2a_inter or crosses
+            a2a_bytes = [x + y for x, y in zip(a2a_bytes, sent)]
+
+    # 2-4. The ring: per step, compute and transfers of every cp rank.
+    plans = _ring_plans(S, R, mask)
+    works = [[_step_work(plans[r], i) for i in range(R)] for r in range(R)]
+    acc = 4 if e <= 4 else e  # accumulator element size (fp32; fp64 stays fp64)
+    ring_bytes = [0] * N
+    ring_inter = False
+    fwd_total = bwd_total = 0.0
+    kernel_total = elem_total = exposed_total = 0.0
+    grad_prev = [0.0] * N  # backward: the previous step's gradient transfer, per rank
+    for i in range(R):
+        comp_f, comp_b, kern_f, kern_b, elem_f, elem_b = ([0.0] * N for _ in range(6))
+        x_next = [0.0] * N  # K/V of step i + 1 in flight during step i
+        x_grad = [0.0] * N  # gradients of step i (sent after its compute)
+        for r in range(R):
+            w = works[r][i]
+            for u in range(U):
+                c = r * U + u
+                if h[u] == 0:
+                    continue
+                kern_f[c] = _kernel_seconds(w, h[u], B, D, cost, backward=False)
+                kern_b[c] = _kernel_seconds(w, h[u], B, D, cost, backward=True)
+                # Forward: every result merged into the fp32 accumulators (read, write, block, lse).
+                merged = w.q_rows * h[u] * D * B * (3 * acc + e)
+                if i == R - 1:
+                    merged += plans[r].q_len * h[u] * D * B * (acc + e)  # final cast
+                elem_f[c] = merged / cost.memory_bandwidth
+                # Backward: dq added, dK/dV summed (step 0) or copied out, received grads added.
+                grads = w.q_rows * h[u] * D * B * (2 * acc + e)
+                grads += w.k_rows * kvh[u] * D * B * 2 * (2 * acc + e)
+                grads += w.send_rows * kvh[u] * D * B * 2 * (2 * acc + e)
+                if i == R - 1:
+                    grads += plans[r].q_len * (h[u] + 2 * kvh[u]) * D * B * (acc + e)
+                elem_b[c] = grads / cost.memory_bandwidth
+                comp_f[c] = kern_f[c] + elem_f[c]
+                comp_b[c] = kern_b[c] + elem_b[c]
+                if i + 1 < R:
+                    nxt = works[r][i + 1]
+                    step = plans[r].steps[i + 1]
+                    out_link, out_inter = _link(cost.ring_intra, cost.ring_inter, c, step.dst * U + u, ranks_per_node)
+                    in_link, in_inter = _link(cost.ring_intra, cost.ring_inter, c, step.src * U + u, ranks_per_node)
+                    send, recv = 2 * nxt.send_rows * kvh[u] * row, 2 * nxt.recv_rows * kvh[u] * row
+                    x_next[c] = max(out_link.seconds(send, 2), in_link.seconds(recv, 2))
+                    ring_inter = ring_inter or (send and out_inter) or (recv and in_inter)
+                    ring_bytes[c] += 2 * send  # forward, and again in the backward
+                if i > 0:
+                    step = plans[r].steps[i]
+                    back_link, _ = _link(cost.ring_intra, cost.ring_inter, c, step.src * U + u, ranks_per_node)
+                    home_link, _ = _link(cost.ring_intra, cost.ring_inter, c, step.dst * U + u, ranks_per_node)
+                    send, recv = 2 * w.recv_rows * kvh[u] * row, 2 * w.send_rows * kvh[u] * row
+                    x_grad[c] = max(back_link.seconds(send, 2), home_link.seconds(recv, 2))
+                    ring_bytes[c] += send
+        c_f, c_b = _combine(comp_f, nodes, cost), _combine(comp_b, nodes, cost)
+        kernels = _combine(kern_f, nodes, cost) + _combine(kern_b, nodes, cost)
+        kernel_total += kernels
+        elem_total += c_f + c_b - kernels
+        x_f = max(x_next)
+        x_b = max(a + b for a, b in zip(x_next, grad_prev))
+        fixed = cost.ring_step_s if R > 1 else 0.0  # a lone local step waits for no peer
+        step_f = _overlapped(c_f, x_f, cost.overlap) + fixed
+        step_b = _overlapped(c_b, x_b, cost.overlap) + fixed
+        fwd_total += step_f
+        bwd_total += step_b
+        exposed_total += step_f - c_f + step_b - c_b
+        grad_prev = x_grad
+    last = max(grad_prev)  # the last step's gradients travel with nothing left to hide them
+    bwd_total += last
+    exposed_total += last
+
+    # attention_work(placement, mask, num_heads=H), from the plans already built.
+    work = [sum(w.pairs for w in works[r]) * h[u] for r in range(R) for u in range(U)]
+    return Candidate(
+        ring_size=R,
+        ulysses_size=U,
+        time_s=a2a_s + fwd_total + bwd_total,
+        parts={
+            "all-to-all": a2a_s,
+            "ring transfer": exposed_total,
+            "kernels": kernel_total,
+            "element-wise": max(0.0, elem_total),
+        },
+        ulysses_bytes=max(a2a_bytes),
+        ring_bytes=max(ring_bytes),
+        memory_bytes=_memory(shape, placement, plans, heads, acc),
+        imbalance=imbalance(work),
+        heads=tuple(h),
+        kv_heads=tuple(a.kv_len for a in heads),
+        kv_replication=sum(a.kv_len for a in heads) / Hkv,
+        ulysses_link="none" if U == 1 else ("inter" if a2a_inter else "intra"),
+        ring_link="none" if R == 1 else ("inter" if ring_inter else "intra"),
+    )
+
+
+def _memory(shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], heads: list[HeadAssignment], acc: int) -> int:
+    """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
+
+    Two moments compete: the ring backward (shards of q, k, v, out, dout; the all-to-all's
+    head-sharded copies and staging; fp32 accumulators; ring buffers; one kernel's gradients) and
+    the way back (the accumulators gone, the head-sharded gradients and their staging, and the
+    shard gradients dq, dk, dv).
+    """
+    R, U = placement.ring_size, placement.ulysses_size
+    H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
+    unit = D * B
+    worst = 0
+    for r in range(R):
+        plan = plans[r]
+        L = plan.q_len
+        max_recv = plan.max_recv
+        max_send = max((sum(b - a for a, b in s.send_rows) for s in plan.steps[1:]), default=0)
+        block_q = max((c.q1 - c.q0 for s in plan.steps for c in s.calls), default=0)
+        block_k = max((c.k1 - c.k0 for s in plan.steps for c in s.calls), default=0)
+        for u in range(U):
+            a = heads[u]
+            local = placement.shard_lengths[r * U + u]
+            h, kv = a.q_len, a.kernel_kv_heads
+            shards = local * (3 * H + 2 * Hkv) * unit * e  # q, k, v, out, dout
+            ring = back = 0
+            if U > 1:
+                shards += local * (3 * H + 2 * Hkv) * unit * e  # all-to-all staging (workspace)
+                shards += L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
+                back = L * (h + 2 * a.kv_len) * unit * e * 2  # dq, dk, dv of its heads + staging
+            back += local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
+            if h:
+                ring = L * (h + 2 * kv) * unit * acc  # fp32 accumulators of dq, dk, dv
+                ring += (block_q * h + 2 * block_k * kv) * unit * e  # one kernel's dq, dk, dv
+                if R > 1:
+                    slots = min(2, R - 1)  # ping-pong buffers, one when there is one remote step
+                    ring += slots * 2 * max_recv * kv * unit * e  # K/V receive slots
+                    ring += 2 * max_send * kv * unit * e  # staged K/V rows sent
+                    ring += slots * 2 * max_recv * kv * unit * e  # dK/dV send slots
+                    ring += 2 * max_send * kv * unit * e  # dK/dV received
+                    ring += 2 * max_recv * kv * unit * acc  # dK/dV summed in fp32
+            worst = max(worst, shards + max(ring, back))
+    return worst
