@@ -13,20 +13,40 @@ Every group's members are ordered by their rank along that axis, so a collective
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import torch
 import torch.distributed as dist
 
 from .comm import Workspace, group_rank, group_size, group_timeout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 Checks = Literal["auto", "always", "never"]
 _CHECKS = ("auto", "always", "never")
 
 __all__ = ["ParallelState"]
+
+
+# Live states by handle: seqpar's custom operators (torch.compile, ``seqpar.compiled``) take a state
+# as this integer. Weak values: the registry never keeps a state alive.
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def state_from_handle(handle: int) -> ParallelState:
+    """The live :class:`ParallelState` whose ``handle`` is ``handle``."""
+    state = _LIVE.get(handle)
+    if state is None:
+        raise ValueError(f"seqpar: no live ParallelState has handle {handle} (it was garbage collected)")
+    return state
 
 
 def _check_size(name: str, value: object) -> int:
@@ -87,6 +107,8 @@ class ParallelState:
         workspace: scratch buffers that attention calls on this state reuse (staging copies,
             ring transfer buffers; Note [Workspace] in ``seqpar.comm.workspace``);
             ``state.workspace.clear()`` frees them.
+        handle: a small int naming this state to seqpar's custom operators (``torch.compile``,
+            ``docs/compile.md``); unique in the process.
 
     Raises:
         ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
@@ -97,6 +119,8 @@ class ParallelState:
     process groups). Example: 8 ranks, ``ParallelState(ring_size=2, ulysses_size=2)`` gives
     ``dp_size == 2``; rank 5 has ``dp_rank 1, cp_rank 1, ring_rank 0, ulysses_rank 1``.
     :meth:`close` (or ``with ParallelState(...) as state:``) frees the groups it created.
+    :meth:`from_device_mesh` takes the groups of a ``DeviceMesh`` instead, and
+    :meth:`device_mesh` wraps a state's groups in one (``docs/howto-fsdp.md``).
     """
 
     ring_size: int
@@ -125,14 +149,7 @@ class ParallelState:
         timeout: timedelta | None = None,
         checks: Checks = "auto",
     ) -> None:
-        self.workspace = Workspace()
-        self._created: list = []
-        self._closed = False
-        if checks not in _CHECKS:
-            raise ValueError(f"ParallelState: checks must be one of {list(_CHECKS)}, got {checks!r}")
-        if checks == "auto" and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
-            checks = "always"
-        self.checks = checks
+        self._begin(checks, "ParallelState")
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"ParallelState: timeout must be a datetime.timedelta or None, got {timeout!r}")
         ring_size = _check_size("ring_size", ring_size)
@@ -215,6 +232,155 @@ class ParallelState:
             if c == self.cp_rank:
                 self.dp_group = pg
 
+    @classmethod
+    def from_device_mesh(
+        cls,
+        mesh: DeviceMesh,
+        *,
+        dp: str | None = "dp",
+        cp: str | None = "cp",
+        ring: str | None = "ring",
+        ulysses: str | None = "ulysses",
+        checks: Checks = "auto",
+    ) -> ParallelState:
+        """The state whose groups are the process groups of a ``torch`` ``DeviceMesh`` (collective).
+
+        Note [States from a DeviceMesh]: the keywords name the mesh axes (``mesh_dim_names``)
+        that play each role. Every axis of ``mesh`` must have one of these roles, and an axis
+        name the mesh does not have means that role has size 1. The CP ranks are either
+
+        - one ``cp`` axis, run as a **ring** (``ring_size = cp``, ``ulysses_size = 1``, the
+          torchtitan convention); for Ulysses over that axis instead pass ``ulysses="cp"``; or
+        - a ``ring`` axis and/or an ``ulysses`` axis (hybrid ``R x U``); the CP group is then
+          the flattened ``mesh[ring, ulysses]`` (``DeviceMesh._flatten``, cached by the mesh).
+
+        The axes must appear in seqpar's rank layout order (``docs/sharding.md``): ``dp``
+        outermost, then ``ring``, then ``ulysses`` innermost, so that ``cp_rank = ring_rank *
+        ulysses_size + ulysses_rank`` and a parent rank ``g`` has ``dp_rank = g // cp_size``.
+        Examples: ``init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "cp"))`` gives
+        ``R=4, U=1, dp_size=2``; ``(2, 2, 2)`` with ``("dp", "ring", "ulysses")`` gives ``R=U=2``.
+
+        Groups come from the mesh (``mesh.get_group``), so their timeouts and backends are the
+        mesh's, and :meth:`close` leaves them alone (the mesh owns them). Only the size-1 groups
+        of roles the mesh lacks (e.g. ``ulysses_group`` for a ``("dp", "cp")`` mesh) are created
+        here, one local group per rank, and freed by :meth:`close`. The parent group is the
+        flattened mesh (``dist.group.WORLD`` when the mesh is the whole world in rank order).
+
+        Args:
+            mesh: a ``DeviceMesh`` with named axes, 1 to 3 of them; a sub-mesh such as
+                ``world_mesh["dp", "cp"]`` of a larger (e.g. ``dp x cp x tp``) mesh is fine.
+            dp: name of the data-parallel axis (``None``: no such axis).
+            cp: name of a single context-parallel axis, run as a ring.
+            ring: name of the ring axis of a hybrid mesh.
+            ulysses: name of the Ulysses axis of a hybrid mesh.
+            checks: as for :class:`ParallelState`.
+
+        Returns:
+            A :class:`ParallelState` with the same rank layout as ``ParallelState(R, U,
+            group=parent)`` over the mesh's ranks.
+
+        Raises:
+            ValueError: ``mesh`` is not a ``DeviceMesh``, has no axis names, does not contain
+                this rank, has an axis with no role, names both a ``cp`` axis and ``ring`` /
+                ``ulysses`` axes, orders its axes against the rank layout, or its process groups
+                disagree with its rank tensor. Messages name the axes, their sizes and the fix.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        where = "ParallelState.from_device_mesh"
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(
+                f"{where}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
+            )
+        roles = _mesh_roles(mesh, {"dp": dp, "cp": cp, "ring": ring, "ulysses": ulysses}, where)
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(
+                f"{where}: this process (global rank {dist.get_rank()}) is not in the mesh "
+                f"{mesh.mesh.tolist()}; build the state only on the mesh's ranks"
+            )
+        state = cls.__new__(cls)
+        state._begin(checks, where)
+        size = {role: mesh.size(axis) for role, axis in roles.items()}
+        rank = {role: coordinate[axis] for role, axis in roles.items()}
+        ring_size, ulysses_size, dp_size = size.get("ring", 1), size.get("ulysses", 1), size.get("dp", 1)
+        state.ring_size, state.ulysses_size, state.dp_size = ring_size, ulysses_size, dp_size
+        state.cp_size = ring_size * ulysses_size
+        state.ring_rank, state.ulysses_rank = rank.get("ring", 0), rank.get("ulysses", 0)
+        state.dp_rank = rank.get("dp", 0)
+        state.cp_rank = state.ring_rank * ulysses_size + state.ulysses_rank
+
+        names = mesh.mesh_dim_names
+        parent = mesh._flatten().get_group() if mesh.ndim > 1 else mesh.get_group(0)
+        state.parent_group = parent
+        state.timeout = group_timeout(parent)
+
+        def axis_group(role: str) -> dist.ProcessGroup:
+            if role in roles:
+                return mesh.get_group(roles[role])
+            pg = dist.new_group([dist.get_rank()], timeout=state.timeout, use_local_synchronization=True)
+            state._created.append(pg)
+            return pg
+
+        state.dp_group = axis_group("dp")
+        state.ring_group = axis_group("ring")
+        state.ulysses_group = axis_group("ulysses")
+        if "ring" in roles and "ulysses" in roles:
+            state.cp_group = mesh[names[roles["ring"]], names[roles["ulysses"]]]._flatten().get_group()
+        else:
+            state.cp_group = state.ulysses_group if "ulysses" in roles else state.ring_group
+        _check_mesh_groups(state, mesh, where)
+        return state
+
+    def device_mesh(self, device_type: str, *, split_cp: bool = False) -> DeviceMesh:
+        """A ``DeviceMesh`` over this state's ranks built from its own groups (for FSDP2/DTensor).
+
+        ``DeviceMesh.from_group`` wraps the existing groups; no process group is created. The
+        mesh's rank tensor is the parent group's ranks in seqpar's layout, so
+        ``ParallelState.from_device_mesh(state.device_mesh(...))`` has this state's layout.
+
+        Args:
+            device_type: the mesh's device type, ``"cuda"`` or ``"cpu"`` (no index).
+            split_cp: ``False``: axes ``("dp", "cp")``, shape ``(dp_size, cp_size)``;
+                ``True``: axes ``("dp", "ring", "ulysses")``, shape ``(dp_size, R, U)``.
+
+        Returns:
+            The ``DeviceMesh``. It uses this state's groups: keep the state open while it is in
+            use (:meth:`close` destroys the groups the state created).
+
+        Raises:
+            ValueError: the state has no process groups (built without ``torch.distributed``,
+                or closed).
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.check_usable("ParallelState.device_mesh")
+        if self.parent_group is None:
+            raise ValueError(
+                "ParallelState.device_mesh: this state has no process groups (torch.distributed is not "
+                "initialised); a DeviceMesh needs init_process_group first"
+            )
+        ranks = torch.tensor(dist.get_process_group_ranks(self.parent_group), dtype=torch.int)
+        if split_cp:
+            groups = [self.dp_group, self.ring_group, self.ulysses_group]
+            shape, axes = (self.dp_size, self.ring_size, self.ulysses_size), ("dp", "ring", "ulysses")
+        else:
+            groups, shape, axes = [self.dp_group, self.cp_group], (self.dp_size, self.cp_size), ("dp", "cp")
+        return DeviceMesh.from_group(groups, device_type, mesh=ranks.reshape(shape), mesh_dim_names=axes)
+
+    def _begin(self, checks: object, where: str) -> None:
+        """Bookkeeping shared by every constructor: workspace, handle, ``checks``."""
+        self.workspace = Workspace()
+        self._created: list = []  # groups this state created and :meth:`close` destroys
+        self._closed = False
+        self.handle = next(_HANDLES)
+        _LIVE[self.handle] = self
+        if checks not in _CHECKS:
+            raise ValueError(f"{where}: checks must be one of {list(_CHECKS)}, got {checks!r}")
+        if checks == "auto" and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+            checks = "always"
+        self.checks = checks
+
     def check_usable(self, where: str) -> None:
         """Raise ``ValueError`` if this state cannot serve a call: it was closed, or it was built
         for one process before ``torch.distributed`` was initialised and the world is now larger
@@ -265,3 +431,102 @@ class ParallelState:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+_ROLE_ORDER = ("dp", "ring", "ulysses")  # outermost to innermost (docs/sharding.md, rank layout)
+
+
+def _example_axes(ndim: int) -> tuple[str, ...]:
+    return {1: ("cp",), 2: ("dp", "cp"), 3: ("dp", "ring", "ulysses")}.get(ndim, ("dp", "ring", "ulysses"))
+
+
+def _mesh_roles(mesh: DeviceMesh, names: dict[str, str | None], where: str) -> dict[str, int]:
+    """The mesh axis index of each role (``"dp"``, ``"ring"``, ``"ulysses"``) the mesh has.
+
+    ``names`` maps ``"dp"``, ``"cp"``, ``"ring"``, ``"ulysses"`` to axis names (Note [States from a
+    DeviceMesh] in :meth:`ParallelState.from_device_mesh`); a lone ``cp`` axis becomes the ring.
+
+    Raises:
+        ValueError: unnamed axes, a non-string name, an axis without a role or with two, a ``cp``
+            axis besides ``ring``/``ulysses`` axes, or axes out of the rank layout's order.
+    """
+    axes, shape = mesh.mesh_dim_names, tuple(mesh.shape)
+    if not axes:
+        raise ValueError(
+            f"{where}: the mesh of shape {shape} has no axis names; build it with names, e.g. "
+            f"init_device_mesh(device_type, {shape}, mesh_dim_names={_example_axes(len(shape))})"
+        )
+    for role, name in names.items():
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"{where}: {role}= must be a mesh axis name (str) or None, got {name!r}")
+    index = {name: i for i, name in enumerate(axes)}
+    found = {role: index[name] for role, name in names.items() if name in index}
+
+    def show(indices) -> str:
+        return ", ".join(f"{axes[i]!r} (size {shape[i]})" for i in indices)
+
+    roles = {role: found[role] for role in ("dp", "ring", "ulysses") if role in found}
+    if "cp" in found:
+        if "ring" not in roles and "ulysses" not in roles:
+            roles["ring"] = found["cp"]  # a single CP axis runs as a ring
+        elif found["cp"] not in (roles.get("ring"), roles.get("ulysses")):
+            hybrid = [roles[r] for r in ("ring", "ulysses") if r in roles]
+            raise ValueError(
+                f"{where}: mesh axes {axes} of sizes {shape} have a cp axis {show([found['cp']])} and "
+                f"ring/ulysses axes {show(hybrid)}; the CP ranks are one or the other: pass cp=None "
+                f"to use the ring/ulysses axes, or ring=None, ulysses=None to use {axes[found['cp']]!r}"
+            )
+    owner: dict[int, str] = {}
+    for role, axis in roles.items():
+        if axis in owner:
+            raise ValueError(
+                f"{where}: mesh axis {show([axis])} is named for both {owner[axis]} and {role}; "
+                "give each role its own axis"
+            )
+        owner[axis] = role
+    free = [i for i in range(len(axes)) if i not in owner]
+    if free:
+        used = tuple(axes[i] for i in sorted(owner))
+        fix = f", or pass the sub-mesh of seqpar's axes, mesh[{', '.join(map(repr, used))}]" if used else ""
+        raise ValueError(
+            f"{where}: mesh axes {axes} of sizes {shape}: {show(free)} is not one of seqpar's axes "
+            f"(dp={names['dp']!r}, cp={names['cp']!r}, ring={names['ring']!r}, "
+            f"ulysses={names['ulysses']!r}); name it with the dp=/cp=/ring=/ulysses= keywords{fix}"
+        )
+    order = [role for role in _ROLE_ORDER if role in roles]
+    if [roles[r] for r in order] != sorted(roles.values()):
+        want = tuple(axes[roles[r]] for r in order)
+        want_shape = tuple(shape[roles[r]] for r in order)
+        raise ValueError(
+            f"{where}: mesh axes {axes} of sizes {shape} are out of seqpar's rank layout order "
+            "(docs/sharding.md): dp outermost, then ring, then ulysses innermost, so that cp_rank = "
+            "ring_rank * ulysses_size + ulysses_rank; build the mesh as "
+            f"init_device_mesh(device_type, {want_shape}, mesh_dim_names={want})"
+        )
+    return roles
+
+
+def _check_mesh_groups(state: ParallelState, mesh: DeviceMesh, where: str) -> None:
+    """Check every group of ``state`` against the mesh's rank tensor (no communication).
+
+    With the axes in layout order the rank tensor reshapes to ``(dp_size, R, U)``; each group's
+    members, in group-rank order, must be the corresponding line of it.
+    """
+    grid = mesh.mesh.reshape(state.dp_size, state.ring_size, state.ulysses_size)
+    d, r, u = state.dp_rank, state.ring_rank, state.ulysses_rank
+    expected = {
+        "dp_group": grid[:, r, u],
+        "ring_group": grid[d, :, u],
+        "ulysses_group": grid[d, r, :],
+        "cp_group": grid[d].reshape(-1),
+        "parent_group": grid.reshape(-1),
+    }
+    for name, want in expected.items():
+        got = dist.get_process_group_ranks(getattr(state, name))
+        if got != want.tolist():
+            state.close()
+            raise ValueError(
+                f"{where}: the mesh's {name} has ranks {got}, but its rank tensor {mesh.mesh.tolist()} "
+                f"puts ranks {want.tolist()} on that axis; build the mesh with init_device_mesh, or "
+                "DeviceMesh.from_group with groups that match its rank tensor"
+            )

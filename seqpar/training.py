@@ -32,6 +32,7 @@ label of a shard's last token is the first token of the next shard, which this r
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from .attention import collective_checks
 from .comm import all_reduce, exchange_ints
 from .state import ParallelState
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = [
     "shift_labels",
     "sharded_cross_entropy",
@@ -50,6 +54,7 @@ __all__ = [
     "global_loss",
     "wrap_ddp",
     "all_reduce_gradients",
+    "fully_shard_cp",
 ]
 
 
@@ -273,3 +278,95 @@ def all_reduce_gradients(parameters: Iterable[nn.Parameter], state: ParallelStat
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _mesh_device_type(model: nn.Module) -> str:
+    """Device type of ``model``'s first parameter (``"cpu"`` without parameters)."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            raise ValueError(
+                "fully_shard_cp: the model is on the meta device; pass device_type= (e.g. 'cuda') or mesh="
+            )
+        return p.device.type
+    return "cpu"
+
+
+def fully_shard_cp(
+    model: nn.Module,
+    state: ParallelState,
+    *,
+    blocks: Iterable[nn.Module] | None = None,
+    mesh: DeviceMesh | None = None,
+    device_type: str | None = None,
+    **fsdp_kwargs,
+) -> nn.Module:
+    """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) over all ``dp_size * cp_size`` ranks
+    with seqpar's gradient rule: sum over CP, mean over DP (Note [Loss shares and gradient sync]).
+
+    Parameters are sharded over the state's parent group, so every CP rank holds ``1 / (dp_size *
+    cp_size)`` of them. FSDP2 reduces gradients over its whole mesh and by default divides by the
+    mesh size, which would be ``cp_size`` times too small; here every FSDP module gets
+    ``set_gradient_divide_factor(dp_size)`` and ``set_force_sum_reduction_for_comms(True)``: a
+    sum reduce-scatter (plus, with a 2-D HSDP mesh, a sum all-reduce) and one division of the
+    reduced shard by ``dp_size``. Plain sums are what every backend supports: gloo rejects the
+    ``PREMUL_SUM`` reduction FSDP2 would otherwise use for a custom factor. After ``backward``
+    of every rank's loss share (:func:`sharded_cross_entropy`, :func:`sharded_mean`) the
+    sharded gradients are those of the single-device model on the global batch (the mean over
+    DP replicas). Parameters are not broadcast: build the model identically on every rank.
+
+    Args:
+        model: the module (on its device, or on the meta device with ``device_type`` given).
+        state: the parallel state whose parent group (all ``dp_size * cp_size`` ranks) shards.
+        blocks: modules to shard one by one before the root (each becomes one all-gather /
+            reduce-scatter group), bottom-up. ``None``: the items of every ``nn.ModuleList`` in
+            ``model`` (its transformer blocks), innermost lists first.
+        mesh: the FSDP mesh. ``None``: a 1-D mesh over the state's parent group
+            (``DeviceMesh.from_group``, axis ``"dp_cp"``). A given mesh must be 1-D (FSDP) or 2-D
+            (HSDP: replicate over axis 0, shard over axis 1, e.g. ``state.device_mesh("cuda")``
+            for ``("dp", "cp")``) and hold exactly the parent group's ranks.
+        device_type: the default mesh's device type; ``None``: that of the model's parameters.
+        fsdp_kwargs: passed to every ``fully_shard`` call (``reshard_after_forward``,
+            ``mp_policy``, ...).
+
+    Returns:
+        ``model``, now an ``FSDPModule`` (parameters are ``DTensor`` shards; optimizers built
+        afterwards), or ``model`` unchanged for a state without process groups.
+
+    Raises:
+        ValueError: a bad ``state``, ``mesh`` and ``device_type`` both given, a mesh of the
+            wrong shape or ranks, or a meta-device model without ``device_type``.
+    """
+    _check_state(state, "fully_shard_cp")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if state.parent_group is None:
+        return model
+    ranks = dist.get_process_group_ranks(state.parent_group)
+    if mesh is None:
+        device_type = device_type if device_type is not None else _mesh_device_type(model)
+        mesh = DeviceMesh.from_group(state.parent_group, device_type, mesh_dim_names=("dp_cp",))
+    elif device_type is not None:
+        raise ValueError("fully_shard_cp: pass mesh= or device_type=, not both (the mesh has its device type)")
+    elif not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard_cp: mesh must be a 1-D (FSDP) or 2-D (HSDP) DeviceMesh, got "
+            f"{getattr(mesh, 'ndim', type(mesh).__name__)}{'-D' if isinstance(mesh, DeviceMesh) else ''}"
+        )
+    elif sorted(mesh.mesh.reshape(-1).tolist()) != sorted(ranks):
+        raise ValueError(
+            f"fully_shard_cp: the mesh holds ranks {sorted(mesh.mesh.reshape(-1).tolist())} but the "
+            f"state's dp x cp ranks are {sorted(ranks)} (dp_size={state.dp_size}, cp_size={state.cp_size}); "
+            "the gradient rule divides by dp_size only when the mesh spans exactly those ranks: use "
+            "mesh=None or state.device_mesh(device_type)"
+        )
+    if blocks is None:  # pre-order lists the outer blocks first; shard bottom-up
+        blocks = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m][::-1]
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(state.dp_size))
+            module.set_force_sum_reduction_for_comms(True)
+    return model
