@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -58,7 +59,10 @@ from .placement import Mask, Placement, RingPlan, ring_plan
 from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState
 
-__all__ = ["attention", "varlen_attention", "SequenceParallelAttention", "Layout", "refuse_collectively"]
+__all__ = [
+    "attention", "varlen_attention", "SequenceParallelAttention", "Layout", "refuse_collectively", "DenseCall",
+    "prepare_dense", "prepare_varlen",
+]
 
 Layout = Literal["bshd", "sbhd", "bhsd"]
 _LAYOUTS: tuple[str, ...] = get_args(Layout)
@@ -299,6 +303,74 @@ def attention(
             lengths that are not the placement of a position-dependent mask (raised on every rank
             whenever the call checks collectively, Note [Global length]).
     """
+    if torch.compiler.is_compiling():  # one opaque custom op (Note [torch.compile] in seqpar.compiled)
+        from .compiled import compiled_attention
+
+        return compiled_attention(
+            q, k, v, state, causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
+            seq_len=seq_len, window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+            replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+        )
+    call = prepare_dense(
+        q, k, v, state, causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
+        seq_len=seq_len, window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+        replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+    )
+    qb, kb, vb, S, prefix, suffix = call.qb, call.kb, call.vb, call.qb.shape[1], call.prefix, call.suffix
+    args = (state, call.placement, call.plan, call.backend, call.scale, call.softcap, sinks)
+    if not (prefix or suffix):
+        return _to_bshd(_hybrid(qb, kb, vb, *args, None, None), layout)
+    rows = slice(prefix, S - suffix)
+    text = [torch.cat([t[:, :prefix], t[:, S - suffix:]], 1) for t in (qb, kb, vb)]
+    body_out = _hybrid(qb[:, rows], kb[:, rows], vb[:, rows], *args, text[1], text[2])
+    text_out = replicated_query_attention(*text, kb[:, rows], vb[:, rows], call.replicated_run(), sinks=sinks)
+    out = torch.cat([text_out[:, :prefix], body_out, text_out[:, prefix:]], 1)
+    return _to_bshd(out, layout)
+
+
+@dataclass(frozen=True, eq=False)
+class DenseCall:
+    """A validated :func:`attention` call: bshd views of the inputs and everything host-side."""
+
+    qb: Tensor
+    kb: Tensor
+    vb: Tensor
+    state: ParallelState
+    placement: Placement
+    plan: RingPlan
+    backend: KernelBackend
+    scale: float
+    softcap: float
+    prefix: int
+    suffix: int
+    seq_lens: tuple[int, ...]
+    free: tuple[int, ...] | None
+
+    def ring_run(self) -> RingRun:
+        return RingRun(self.state.ring_group, self.plan, self.backend, self.scale, self.softcap, self.state.workspace)
+
+    def ulysses_spec(self) -> UlyssesSpec:
+        s = self.state
+        return UlyssesSpec.build(
+            s.ulysses_group, self.placement.ulysses_sizes(s.ring_rank), self.qb.shape[2], self.kb.shape[2],
+            s.workspace,
+        )
+
+    def replicated_run(self) -> ReplicatedRun:
+        return ReplicatedRun(self.state.cp_group, self.backend, self.scale, self.softcap)
+
+
+def prepare_dense(
+    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, *, causal: bool, softmax_scale: float | None,
+    layout: str, backend: object, seq_len: int | None, window: tuple[int, int], softcap: float,
+    sinks: Tensor | None, chunk_size: int | None, replicated_prefix: int, replicated_suffix: int,
+    known: tuple[tuple[int, ...], tuple[int, ...] | None] | None = None,
+) -> DenseCall:
+    """Validate an :func:`attention` call and place its tokens (raises as :func:`attention` does).
+
+    ``known``: the ``(seq_lens, free)`` an earlier, validated forward found; then no collective
+    runs (the backward of ``seqpar.compiled``).
+    """
     where = "seqpar.attention"
     _check_state(state, where)
     causal, window, chunk_size, softcap = check_mask_options(causal, window, chunk_size, softcap, where)
@@ -348,23 +420,14 @@ def attention(
 
     names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, seq_len)"
     body = S - prefix - suffix
-    seq_lens, free = _dense_placement(body, state, seq_len, mask, signature, names, q.device, where)
+    if known is None:
+        seq_lens, free = _dense_placement(body, state, seq_len, mask, signature, names, q.device, where)
+    else:
+        seq_lens, free = known
     mask = mask.normalised(seq_lens[0])
     backend = _resolve_backend(backend, q, mask, softcap, where)
     placement, plan = _cached_plan(seq_lens, free, state.ring_size, state.ulysses_size, state.ring_rank, mask, B == 1)
-    rows = slice(prefix, S - suffix)
-    if not (prefix or suffix):
-        out = _hybrid(qb, kb, vb, state, placement, plan, backend, scale, softcap, sinks, None, None)
-        return _to_bshd(out, layout)
-    text = [torch.cat([t[:, :prefix], t[:, S - suffix:]], 1) for t in (qb, kb, vb)]
-    body_out = _hybrid(
-        qb[:, rows], kb[:, rows], vb[:, rows], state, placement, plan, backend, scale, softcap, sinks,
-        text[1], text[2],
-    )
-    run = ReplicatedRun(state.cp_group, backend, scale, softcap)
-    text_out = replicated_query_attention(*text, kb[:, rows], vb[:, rows], run, sinks=sinks)
-    out = torch.cat([text_out[:, :prefix], body_out, text_out[:, prefix:]], 1)
-    return _to_bshd(out, layout)
+    return DenseCall(qb, kb, vb, state, placement, plan, backend, scale, softcap, prefix, suffix, seq_lens, free)
 
 
 def _seq_lens_fingerprint(lens: tuple[int, ...]) -> list[int]:
@@ -436,6 +499,30 @@ def varlen_attention(
             every CP rank -- ``seq_lens`` that do not place exactly each rank's token count there
             or that differ between ranks, and ranks that disagree on shapes or options.
     """
+    if torch.compiler.is_compiling():  # one opaque custom op (Note [torch.compile] in seqpar.compiled)
+        from .compiled import compiled_varlen_attention
+
+        return compiled_varlen_attention(
+            q, k, v, state, seq_lens, causal=causal, softmax_scale=softmax_scale, backend=backend,
+            window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+        )
+    call = prepare_varlen(
+        q, k, v, state, seq_lens, causal=causal, softmax_scale=softmax_scale, backend=backend,
+        window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+    )
+    args = (state, call.placement, call.plan, call.backend, call.scale, call.softcap, sinks)
+    return _hybrid(call.qb, call.kb, call.vb, *args, None, None)[0]
+
+
+def prepare_varlen(
+    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, seq_lens: Sequence[int] | Tensor, *,
+    causal: bool, softmax_scale: float | None, backend: object, window: tuple[int, int], softcap: float,
+    sinks: Tensor | None, chunk_size: int | None, known: bool = False,
+) -> DenseCall:
+    """Validate a :func:`varlen_attention` call and place its tokens (raises as it does); with
+    ``known`` (a backward after a validated forward) no collective runs. The call's tensors are
+    the packed ones with a batch dim of one."""
+
     where = "seqpar.varlen_attention"
     _check_state(state, where)
     causal, window, chunk_size, softcap = check_mask_options(causal, window, chunk_size, softcap, where)
@@ -465,7 +552,9 @@ def varlen_attention(
         ]
 
     names = "(seq_lens fingerprint, H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, scale, softcap)"
-    if collective_checks(state, q.device, lengths_known=True):
+    if known:
+        got = list(want)
+    elif collective_checks(state, q.device, lengths_known=True):
         got = _exchange(T, 0, signature, names, state, q.device, where)
     else:  # only this rank's count can be checked without communication
         got = [want[c] if c != state.cp_rank else T for c in range(state.cp_size)]
@@ -478,8 +567,8 @@ def varlen_attention(
             "and shard q, k, v with seqpar.shard_packed"
         )
     backend = _resolve_backend(backend, q, mask, softcap, where)
-    out = _hybrid(q[None], k[None], v[None], state, placement, plan, backend, scale, softcap, sinks, None, None)
-    return out[0]
+    return DenseCall(q[None], k[None], v[None], state, placement, plan, backend, scale, softcap, 0, 0, lens, None)
+
 
 
 class SequenceParallelAttention(nn.Module):

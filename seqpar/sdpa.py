@@ -232,7 +232,7 @@ def _dispatch(
     top = stack[-1][1] if stack else None
     if not stack:
         _refuse_new_thread()
-    if top is not None and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+    if top is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and _in_reentrant_checkpoint():
         raise RuntimeError(
             "parallel_sdpa: scaled_dot_product_attention inside torch.utils.checkpoint(..., "
             "use_reentrant=True): the backward would recompute it wherever backward runs, usually "

@@ -33,7 +33,7 @@ from ..backends.base import KernelBackend, empty_forward
 from ..comm import Group, reduce_, refuse_double_backward
 from .merge import accumulator_dtype, add_sinks, merge, sinks_grad
 
-__all__ = ["ReplicatedRun", "replicated_query_attention"]
+__all__ = ["ReplicatedRun", "replicated_query_attention", "replicated_forward", "replicated_backward"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,16 +74,39 @@ def _merge_over_group(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, T
     return merged, top + torch.log(total)
 
 
+def replicated_forward(
+    q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor, sinks: Tensor | None,
+    run: ReplicatedRun,
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`replicated_query_attention` (no autograd); ``lse`` ``[B, H, P]``."""
+    out_t, lse_t = _block(run, q, k_rep, v_rep)  # the same on every rank
+    out_l, lse_l = _block(run, q, k_loc, v_loc)  # this rank's image shard
+    out_l, lse_l = _merge_over_group(out_l, lse_l, run.group)
+    out, lse = merge(out_t, lse_t, out_l, lse_l)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    return out.to(q.dtype), lse
+
+
+def replicated_backward(
+    dout: Tensor, q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor,
+    sinks: Tensor | None, out: Tensor, lse: Tensor, run: ReplicatedRun,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients ``(dq, dk_rep, dv_rep, dk_loc, dv_loc, dsinks)`` from :func:`replicated_forward`'s
+    ``out`` and ``lse``; ``dq``, ``dk_rep`` and ``dv_rep`` are this rank's partial shares."""
+    dq_t, dk_rep, dv_rep = _block_backward(run, dout, q, k_rep, v_rep, out, lse)
+    # A fresh buffer: the all-reduce is in place and dout is still needed as this rank's share.
+    whole = dout.to(accumulator_dtype(dout.dtype), memory_format=torch.contiguous_format, copy=True)
+    whole = reduce_(whole, run.group, "sum").to(dout.dtype)
+    dq_l, dk_loc, dv_loc = _block_backward(run, whole, q, k_loc, v_loc, out, lse)
+    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+    return dq_t + dq_l, dk_rep, dv_rep, dk_loc, dv_loc, dsinks
+
+
 class _ReplicatedQueries(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_rep, v_rep, k_loc, v_loc, sinks, run):
-        out_t, lse_t = _block(run, q, k_rep, v_rep)  # the same on every rank
-        out_l, lse_l = _block(run, q, k_loc, v_loc)  # this rank's image shard
-        out_l, lse_l = _merge_over_group(out_l, lse_l, run.group)
-        out, lse = merge(out_t, lse_t, out_l, lse_l)
-        if sinks is not None:
-            out, lse = add_sinks(out, lse, sinks)
-        out = out.to(q.dtype)
+        out, lse = replicated_forward(q, k_rep, v_rep, k_loc, v_loc, sinks, run)
         ctx.save_for_backward(q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse)
         ctx.run = run
         return out
@@ -92,14 +115,7 @@ class _ReplicatedQueries(torch.autograd.Function):
     def backward(ctx, dout):
         refuse_double_backward("seqpar attention of replicated tokens")
         q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse = ctx.saved_tensors
-        run = ctx.run
-        dq_t, dk_rep, dv_rep = _block_backward(run, dout, q, k_rep, v_rep, out, lse)
-        # A fresh buffer: the all-reduce is in place and dout is still needed as this rank's share.
-        whole = dout.to(accumulator_dtype(dout.dtype), memory_format=torch.contiguous_format, copy=True)
-        whole = reduce_(whole, run.group, "sum").to(dout.dtype)
-        dq_l, dk_loc, dv_loc = _block_backward(run, whole, q, k_loc, v_loc, out, lse)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
-        grads = (dq_t + dq_l, dk_rep, dv_rep, dk_loc, dv_loc, dsinks)
+        grads = replicated_backward(dout, q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse, ctx.run)
         # No gradient for run.
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
 

@@ -63,11 +63,12 @@ from ..comm import (
     refuse_double_backward,
 )
 from ..placement.sizes import offsets, split_sizes
+from .merge import accumulator_dtype
 from .ring import RingRun, ring_attention, ring_backward, ring_forward
 
 __all__ = [
     "HeadAssignment", "head_assignments", "ulysses_attention", "InnerAttention", "UlyssesSpec",
-    "ulysses_ring_attention",
+    "ulysses_ring_attention", "ulysses_ring_forward", "ulysses_ring_backward",
 ]
 
 
@@ -378,24 +379,61 @@ def _place(heads: HeadAssignment, grad: Tensor | None, like: Tensor | None, kind
     return full
 
 
+def ulysses_ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
+    spec: UlyssesSpec, run: RingRun,
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse_u)`` of :func:`ulysses_ring_attention` (no autograd): ``out`` the token shard,
+    ``lse_u`` ``[B, H_mine, L]`` over this rank's heads and the ring-local tokens."""
+    mine = spec.mine
+    q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
+    if mine.q_len:
+        out_u, lse_u = ring_forward(
+            q_u, _expand(mine, k_u), _expand(mine, v_u),
+            None if sinks is None else mine.q_heads(sinks, 0),
+            None if extra_k is None else mine.kv_heads(extra_k, 2),
+            None if extra_v is None else mine.kv_heads(extra_v, 2), run,
+        )
+    else:  # no head here: nothing to attend, but the all-to-alls still need this rank
+        out_u = q_u.new_zeros(q_u.shape)
+        lse_u = q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]), dtype=accumulator_dtype(q.dtype))
+    del q_u, k_u, v_u
+    staged = [out_u]
+    del out_u
+    return spec.to_tokens(staged, q.shape[2]), lse_u
+
+
+def ulysses_ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
+    extra_v: Tensor | None, out: Tensor, lse_u: Tensor, spec: UlyssesSpec, run: RingRun,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
+    ``out`` and ``lse_u``."""
+    mine = spec.mine
+    q_u, k_u, v_u, out_u, dout_u = spec.to_heads([q, k, v, out, dout], "qkkqq", "ulysses.heads")
+    dsinks = dek = dev = None
+    if mine.q_len:
+        s = None if sinks is None else mine.q_heads(sinks, 0)
+        ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
+        ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
+        dq_u, dk_u, dv_u, ds, d_ek, d_ev = ring_backward(
+            dout_u, q_u, _expand(mine, k_u), _expand(mine, v_u), s, ek, ev, out_u, lse_u, run
+        )
+        dk_u, dv_u = _unexpand(mine, dk_u), _unexpand(mine, dv_u)
+        dsinks = _place(mine, ds, sinks, "q", 0)
+        dek, dev = _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2)
+    else:
+        dq_u, dk_u, dv_u = torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u)
+    staged = [dq_u, dk_u, dv_u]
+    del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
+    dq, dk, dv = spec.grads_to_tokens(staged, [q.shape, k.shape, v.shape], "qkk")
+    return dq, dk, dv, dsinks, dek, dev
+
+
 class _UlyssesRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, extra_k, extra_v, spec, run):
-        mine = spec.mine
-        q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
-        if mine.q_len:
-            out_u, lse_u = ring_forward(
-                q_u, _expand(mine, k_u), _expand(mine, v_u),
-                None if sinks is None else mine.q_heads(sinks, 0),
-                None if extra_k is None else mine.kv_heads(extra_k, 2),
-                None if extra_v is None else mine.kv_heads(extra_v, 2), run,
-            )
-        else:  # no head here: nothing to attend, but the all-to-alls still need this rank
-            out_u = q_u.new_zeros(q_u.shape)
-            lse_u = q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]))
-        staged = [out_u]
-        del out_u
-        out = spec.to_tokens(staged, q.shape[2])
+        out, lse_u = ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, spec, run)
         ctx.save_for_backward(q, k, v, out, lse_u, sinks, extra_k, extra_v)
         ctx.spec, ctx.run = spec, run
         return out
@@ -404,26 +442,7 @@ class _UlyssesRing(torch.autograd.Function):
     def backward(ctx, dout):
         refuse_double_backward("seqpar attention")
         q, k, v, out, lse_u, sinks, extra_k, extra_v = ctx.saved_tensors
-        spec, run = ctx.spec, ctx.run
-        mine = spec.mine
-        q_u, k_u, v_u, out_u, dout_u = spec.to_heads([q, k, v, out, dout], "qkkqq", "ulysses.heads")
-        dsinks = dek = dev = None
-        if mine.q_len:
-            s = None if sinks is None else mine.q_heads(sinks, 0)
-            ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
-            ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
-            dq_u, dk_u, dv_u, ds, d_ek, d_ev = ring_backward(
-                dout_u, q_u, _expand(mine, k_u), _expand(mine, v_u), s, ek, ev, out_u, lse_u, run
-            )
-            dk_u, dv_u = _unexpand(mine, dk_u), _unexpand(mine, dv_u)
-            dsinks = _place(mine, ds, sinks, "q", 0)
-            dek, dev = _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2)
-        else:
-            dq_u, dk_u, dv_u = torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u)
-        staged = [dq_u, dk_u, dv_u]
-        del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
-        dq, dk, dv = spec.grads_to_tokens(staged, [q.shape, k.shape, v.shape], "qkk")
-        grads = (dq, dk, dv, dsinks, dek, dev)
+        grads = ulysses_ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse_u, ctx.spec, ctx.run)
         # No gradient for spec, run.
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
 
