@@ -291,7 +291,7 @@ def attention(
 
     Returns:
         This rank's output shard in ``layout``, with q's shape and dtype. With ``ulysses_size >
-        1`` it may be a strided view (use ``reshape`` rather than ``view`` to merge heads).
+        1`` it may be non-contiguous (use ``reshape`` rather than ``view`` to merge heads).
 
     Raises:
         ValueError: non-tensor inputs or state; q, k, v of different dtypes or devices, not
@@ -490,7 +490,7 @@ def varlen_attention(
         sinks: ``(nheads,)`` sink logits.
 
     Returns:
-        ``(T_local, nheads, headdim)`` in q's dtype (with ``U > 1`` a strided view). Gradients
+        ``(T_local, nheads, headdim)`` in q's dtype (with ``U > 1`` non-contiguous). Gradients
         are partial (the sum over the CP group is the true gradient of replicated tensors).
 
     Raises:

@@ -13,7 +13,7 @@ staging buffer *gather-dim first*: the piece ``x.narrow(scatter_dim, ...)`` is c
 ranks, of ``[g_i, ...]`` blocks, i.e. one contiguous ``[G, ...]`` tensor, and the result is the view
 ``buffer.movedim(0, gather_dim)`` -- no copy after the collective, for any ndim and any dim pair.
 Bytes allocated: the staging copy plus the output, 2x the input. The price is that the result is a
-strided view (contiguous only when every dim before ``gather_dim`` has size 1, e.g. the Ulysses
+strided tensor (contiguous only when every dim before ``gather_dim`` has size 1, e.g. the Ulysses
 ``[1, S/N, H, D] -> [1, S, H/N, D]`` direction); call ``.contiguous()`` if a later op needs it.
 
 The backward of an all-to-all is the all-to-all with the two dims swapped. For the fused form the
@@ -361,7 +361,7 @@ def all_to_all(
         ``x.shape`` with ``scatter_dim -> split_sizes(x.shape[scatter_dim], N)[rank]`` and
         ``gather_dim -> sum of all ranks' gather lengths``. Memory: one staging copy of ``x`` and
         the output (2x the input's bytes) in every direction and batch size; the result is a
-        strided view, contiguous when all dims before ``gather_dim`` have size 1
+        strided tensor of its own, contiguous when all dims before ``gather_dim`` have size 1
         (see Note [All-to-all layout]).
 
     Raises:
