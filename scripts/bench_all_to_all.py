@@ -19,7 +19,8 @@ Cases cover the Ulysses directions (scatter heads / gather tokens and back), bat
 video layout, and sizes that do not divide the group.
 
 Output: the table, notes and warnings, then the whole report as one JSON line (last line);
-``--json PATH`` also writes it to a file.
+``--json PATH`` also writes it to a file, ``--plot PATH`` saves a chart of the three time ratios
+per case.
 
 Run:
     python scripts/bench_all_to_all.py                 # CPU: spawns 4 gloo ranks
@@ -30,6 +31,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -40,8 +42,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import (  # noqa: E402
+    HelpFormatter,
+    add_plot_argument,
     emit,
     few_iterations_warning,
+    plain,
+    plot_bars,
     table,
     time_sharing_warning,
     under_torchrun,
@@ -161,7 +167,20 @@ def _report(results: list[dict], world: int, args: argparse.Namespace, device: s
     ])
     report = {"world_size": world, "dtype": args.dtype, "device": device, "iters": args.iters,
               "cpu_cores": usable_cores(), "results": results}
-    emit(report, text, notes, args.json)
+    chart = None if args.plot is None else functools.partial(
+        plot_bars,
+        args.plot,
+        f"seqpar.comm.all_to_all / bare all_to_all_single over {world} ranks ({args.dtype}, {device}); slowest "
+        f"rank's median of {args.iters}; on CPU read 'fresh', on CUDA 'preallocated'",
+        [r["case"] for r in results],
+        {
+            "vs preallocated bare (ratio)": [r["time_ratio"] for r in results],
+            "with workspace vs preallocated (ws ratio)": [r["workspace_ratio"] for r in results],
+            "vs bare allocating per call (fresh ratio)": [r["fresh_ratio"] for r in results],
+        },
+        "time ratio (1.0 = as fast as the bare collective)",
+    )
+    emit(report, text, notes, args.json, plot=chart)
 
 
 def _worker(args: argparse.Namespace) -> list[dict]:
@@ -169,15 +188,16 @@ def _worker(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--world", type=int, default=4, help="ranks to spawn on CPU (ignored under torchrun)")
-    p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--json", default=None, help="also write the JSON report to this file")
+    p.add_argument("--seq-len", type=int, default=16384, help="global tokens S")
+    p.add_argument("--heads", type=int, default=16, help="heads H")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim D")
+    p.add_argument("--batch", type=int, default=4, help="batch of the B > 1 cases")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per case; the median is reported")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
+    add_plot_argument(p, "the three time ratios (ratio, ws ratio, fresh ratio) per case")
     args = p.parse_args()
     if under_torchrun():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

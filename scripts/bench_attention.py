@@ -47,12 +47,16 @@ ATen ops (``seqpar.profiling.PeakMemory``; tensors only, not kernel scratch), me
 separate untimed iteration. With more CPU ranks than cores the ranks time-share the cores:
 compare ratios within one run (the output says so).
 
-Output: the tables, notes and warnings, then the whole report as one JSON line (last line).
+Output: the tables, notes and warnings, then the whole report as one JSON line (last line);
+``--json PATH`` also writes it to a file. ``--plot PATH`` saves a chart: with ``--window``, the
+window/full ratios of FLOPs, ring bytes, time and kernel time per configuration; otherwise the
+speedup and peak memory against the single-device baseline (or, without it, the work balance).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -68,8 +72,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import (  # noqa: E402
+    HelpFormatter,
+    add_plot_argument,
     emit,
     few_iterations_warning,
+    plain,
+    plot_bars,
     table,
     time_sharing_warning,
     under_torchrun,
@@ -577,30 +585,33 @@ def _text(report: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4, help="CPU ranks to spawn (default 4, or R*U with --ring/--ulysses)")
-    parser.add_argument("--ring", type=int, default=None, help="measure only ring size R (with --ulysses, default 1)")
-    parser.add_argument("--ulysses", type=int, default=None, help="measure only Ulysses size U (with --ring, default 1)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--causal", action="store_true")
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser.add_argument("--world", type=int, default=4, help="CPU ranks to spawn (default: 4, or R*U with --ring/--ulysses)")
+    parser.add_argument("--ring", type=int, default=None, help="measure only ring size R (with --ulysses, default: 1)")
+    parser.add_argument("--ulysses", type=int, default=None, help="measure only Ulysses size U (with --ring, default: 1)")
+    parser.add_argument("--batch", type=int, default=1, help="batch B")
+    parser.add_argument("--seq-len", type=int, default=2048, help="global tokens S")
+    parser.add_argument("--heads", type=int, default=8, help="query heads H")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads Hkv (default: --heads)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim D")
+    parser.add_argument("--dtype", default=None, help="dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--causal", action="store_true", help="causal attention")
     parser.add_argument("--window", type=int, default=None, metavar="W",
                         help="compare causal window (W, 0) with full causal attention (implies --causal)")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="auto", help="attention backend")
+    parser.add_argument("--iters", type=int, default=3,
+                        help="timed forward+backward iterations; the median is reported")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations before timing")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=None,
                         help="run the single-device baseline (default: on, off with --window)")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                         help="measure peak memory in an extra iteration (default: on, off with --window)")
     parser.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the ring's kernel efficiency (default: on, off with --window)")
-    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
+    add_plot_argument(parser, "the window/full ratios per configuration with --window, else the speedup and "
+                      "peak memory vs one device")
     args = parser.parse_args()
 
     if args.window is not None:
@@ -670,7 +681,42 @@ def main() -> None:
         notes.append("speedup vs single: the single-device baseline runs alone on one thread while the "
                      f"{world} ranks share {p['cpu_cores']} core(s); it is not a parallel speedup")
     notes.append(_bytes_check(report))
-    emit(report, _text(report), notes, args.json)
+    chart = None if args.plot is None else functools.partial(plot_bars, args.plot, *_chart(report))
+    emit(report, _text(report), notes, args.json, plot=chart)
+
+
+def _chart(report: dict) -> tuple[str, list[str], dict[str, list[float | None]], str]:
+    """``--plot``'s title, rows, series and axis title (see the module docstring)."""
+    p = report["problem"]
+    shape = (f"B={p['batch']} S={p['seq_len']} H={p['heads']} Hkv={p['kv_heads']} D={p['head_dim']} {p['dtype']} "
+             f"on {report['world']} ranks ({p['device']}), median of {p['iters']} iterations")
+    if report.get("window_vs_full"):
+        rows = report["window_vs_full"]
+        series = {
+            "fwd FLOPs (max rank)": [w["fwd_flops_ratio_max_rank"] for w in rows],
+            "ring KV bytes fwd (max rank)": [w["ring_kv_bytes_fwd_ratio_max_rank"] for w in rows],
+            "ring bytes fwd+bwd (max rank)": [w["ring_bytes_fwd_bwd_ratio_max_rank"] for w in rows],
+            "time": [w["time_ratio"] for w in rows],
+            "kernel time (max rank)": [w["kernel_time_ratio_max_rank"] for w in rows],
+        }
+        return (f"causal window ({p['window']}, 0) / full causal, same tensors, iterations interleaved; {shape}",
+                [f"{w['config']} {w['ring']} x {w['ulysses']}" for w in rows], series,
+                "window / full causal (1.0 = no saving)")
+    configs = report["configs"]
+    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" for c in configs]
+    series = {}
+    if report["single_device"] is not None:
+        series["speedup (single time / time)"] = [c.get("speedup_vs_single") for c in configs]
+    if any("peak_vs_single" in c for c in configs):
+        series["peak memory per rank / single"] = [c.get("peak_vs_single") for c in configs]
+    if series:
+        title = f"{configs[0]['mask']} attention against one device running the whole problem; {shape}"
+        if p["device"] == "cpu" and report["world"] > p["cpu_cores"]:
+            title += (f". WARNING: the {report['world']} ranks time-share {p['cpu_cores']} core(s), the baseline "
+                      "runs alone: not a parallel speedup")
+        return title, labels, series, "x single device (1.0 = the same)"
+    return (f"{configs[0]['mask']} attention, attended pairs per rank, max / mean (1.0 = perfect balance); {shape}",
+            labels, {"pairs max/mean": [c["plan"]["pairs_max_over_mean"] for c in configs]}, "max / mean")
 
 
 def _bytes_check(report: dict) -> str:

@@ -21,7 +21,8 @@ its own run only and never in seqpar:
 On a machine with fewer cores than ranks the times include time-sharing (the output warns); the
 ratio between the two implementations, measured the same way and interleaved, stays comparable.
 
-Output: a table, notes, then the report as one JSON line (last line); ``--json PATH`` writes it.
+Output: a table, notes, then the report as one JSON line (last line); ``--json PATH`` writes it,
+``--plot PATH`` saves a chart of the diffusers / seqpar time ratio per Ulysses degree.
 
 Examples::
 
@@ -32,6 +33,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -41,7 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _bench_common import emit, few_iterations_warning, table, time_sharing_warning, usable_cores  # noqa: E402
+from _bench_common import (  # noqa: E402
+    HelpFormatter,
+    add_plot_argument,
+    emit,
+    few_iterations_warning,
+    plain,
+    plot_bars,
+    table,
+    time_sharing_warning,
+    usable_cores,
+)
 
 
 def build(args: argparse.Namespace):
@@ -106,16 +118,17 @@ def run_rank(args: argparse.Namespace, ulysses: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ulysses", default="2,4", help="Ulysses degrees to run, comma-separated (default 2,4)")
-    parser.add_argument("--image-tokens", type=int, default=2048)
-    parser.add_argument("--text-tokens", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=32)
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser.add_argument("--ulysses", default="2,4", help="Ulysses degrees to run, comma-separated")
+    parser.add_argument("--image-tokens", type=int, default=2048, help="image tokens (patches) S")
+    parser.add_argument("--text-tokens", type=int, default=256, help="text tokens T")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads H")
+    parser.add_argument("--head-dim", type=int, default=32, help="head dim D")
     parser.add_argument("--layers", type=int, default=2, help="double-stream blocks")
     parser.add_argument("--single-layers", type=int, default=2, help="single-stream blocks")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--json", default=None, help="also write the report to this file")
+    parser.add_argument("--iters", type=int, default=3, help="timed forwards after one warm-up; the median is reported")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the report to this file")
+    add_plot_argument(parser, "the diffusers / seqpar time ratio per Ulysses degree")
     args = parser.parse_args()
     degrees = [int(u) for u in args.ulysses.split(",")]
     for u in degrees:
@@ -159,7 +172,18 @@ def main() -> None:
         time_sharing_warning(max(degrees), cores, "cpu"),
     ]
     report = dict(benchmark="diffusers", args=vars(args), one_process_s=one_process_s, cores=cores, results=results)
-    emit(report, text, notes, args.json)
+    chart = None if args.plot is None else functools.partial(
+        plot_bars,
+        args.plot,
+        f"Flux forward, diffusers' Ulysses / seqpar's (> 1: seqpar faster): {args.image_tokens} image + "
+        f"{args.text_tokens} text tokens, {args.heads} heads x {args.head_dim}; slowest rank's median over "
+        f"{args.iters} iterations, interleaved",
+        [f"ulysses {r['ulysses']}" for r in results],
+        {"diffusers / seqpar": [r["diffusers_over_seqpar"] for r in results]},
+        "time ratio (1.0 = equally fast)",
+        value_format=".2f",
+    )
+    emit(report, text, notes, args.json, plot=chart)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ Times are the minimum over repeated runs (robust to other processes on the machi
     python scripts/bench_kernels.py --dtype float32 --windows 16384:4096 --no-varlen
 
 Output: the tables, then the whole report as one JSON line (last line); ``--json PATH`` also
-writes it to a file.
+writes it to a file; ``--plot PATH`` saves a chart of ``varlen / nxL`` and ``window / eq`` (each
+path against dense calls doing the same work), forward and forward + backward.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import emit, table, usable_cores  # noqa: E402
+from _bench_common import HelpFormatter, add_plot_argument, emit, plain, plot_bars, table, usable_cores  # noqa: E402
 
 from seqpar.backends import get_backend  # noqa: E402
 
@@ -151,21 +152,22 @@ def _bench_window(name: str, device: torch.device, dtype: torch.dtype, s: int, w
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--device", default="cpu")
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser.add_argument("--backend", default="cpu", help="kernel backend")
+    parser.add_argument("--device", default="cpu", help="device")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: both)")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--heads", type=int, default=8, help="query heads H")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads Hkv")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim D")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random sequence lengths")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed runs per call; the minimum is reported")
     parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the varlen scenarios (default on)")
+                        help="run the varlen scenarios")
     parser.add_argument("--windows", default="4096:512,8192:1024",
                         help="S:W causal sliding-window blocks to time ('' for none)")
-    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
+    add_plot_argument(parser, "varlen / nxL and window / eq per scenario, forward and forward+backward")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -234,7 +236,25 @@ def main() -> None:
     if torch.get_num_threads() > usable_cores():
         notes.append(f"WARNING: {torch.get_num_threads()} threads on {usable_cores()} usable core(s): "
                      "kernels time-share; pass --threads")
-    emit({"settings": settings, "varlen": varlen_rows, "windows": window_rows}, "\n".join(parts), notes, args.json)
+    labels = [f"varlen/nxL {r['dtype']} {r['scenario']}{' causal' if r['causal'] else ''}" for r in varlen_rows]
+    labels += [f"window/eq {r['dtype']} S={r['seq_len']} W={r['window']}" for r in window_rows]
+    chart = None if args.plot is None or not labels else functools.partial(
+        plot_bars,
+        args.plot,
+        f"backend={args.backend} device={device} H={h} Hkv={hkv} D={d} threads={torch.get_num_threads()}: varlen "
+        "vs one dense [n, L_rms] call (nxL), causal window vs a non-causal call of equal attended pairs (eq); "
+        f"min of {args.rounds} runs",
+        labels,
+        {phase: [r[key]["varlen_over_batched"] for r in varlen_rows]
+         + [r[key]["window_over_equal_pairs"] for r in window_rows]
+         for phase, key in (("fwd", "fwd"), ("fwd+bwd", "fwd_bwd"))},
+        "time / dense call doing the same work (1.0 = no overhead)",
+        value_format=".2f",
+    )
+    if args.plot is not None and not labels:
+        notes.append("--plot: nothing was timed (--no-varlen and no --windows), no chart written")
+    emit({"settings": settings, "varlen": varlen_rows, "windows": window_rows}, "\n".join(parts), notes, args.json,
+         plot=chart)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,16 @@ share the machine's cores; memory does not depend on that.
 
     python scripts/bench_memory.py                       # N=4: 4x1, 1x4, 2x2; dense and packed
     python scripts/bench_memory.py --world 8 --configs 8x1,1x8,2x4,4x2 --kv-heads 2
+    python scripts/bench_memory.py --seq-len 1024 --plot memory.png   # chart of both ratios
+
+Output: the table and notes, then the whole report as one JSON line (last line); ``--json PATH``
+also writes it to a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -32,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench_common import emit, parse_configs, table  # noqa: E402
+from _bench_common import HelpFormatter, add_plot_argument, emit, parse_configs, plain, plot_bars, table  # noqa: E402
 
 import seqpar  # noqa: E402
 from seqpar.backends import get_backend  # noqa: E402
@@ -120,18 +125,19 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=4, help="local CPU ranks (default 4)")
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser.add_argument("--world", type=int, default=4, help="local CPU ranks")
     parser.add_argument("--configs", default=None, help="ring x ulysses list, e.g. 4x1,1x4,2x2 (default: ring only, "
                         "Ulysses only and an even hybrid of --world)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="global tokens (default 4096)")
-    parser.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    parser.add_argument("--dtype", default="float32", help="dtype (default float32)")
-    parser.add_argument("--backend", default="auto", help="attention backend (default auto)")
-    parser.add_argument("--non-causal", dest="causal", action="store_false", help="non-causal (default causal)")
-    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
+    parser.add_argument("--seq-len", type=int, default=4096, help="global tokens")
+    parser.add_argument("--heads", type=int, default=8, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim")
+    parser.add_argument("--dtype", default="float32", help="dtype")
+    parser.add_argument("--backend", default="auto", help="attention backend")
+    parser.add_argument("--non-causal", dest="causal", action="store_false", help="non-causal (default: causal)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
+    add_plot_argument(parser, "in-call x and +workspace x (memory per rank x N / one device) per configuration")
     args = parser.parse_args()
     n = args.world
     half = next(d for d in range(int(n**0.5), 0, -1) if n % d == 0)
@@ -174,7 +180,18 @@ def main() -> None:
         "the rank's reused transfer/staging buffers (shared by every layer on the state)",
     ]
     report = {"world": n, "args": vars(args), "results": results}
-    emit(report, text, notes, args.json)
+    chart = None if args.plot is None else functools.partial(
+        plot_bars,
+        args.plot,
+        f"attention memory per rank x {n} / one device (1.0 = a perfect 1/{n} share); S={args.seq_len} "
+        f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype} "
+        f"{'causal' if args.causal else 'non-causal'}, packed = 3 sequences",
+        [f"{e['config']} {e['layout']}" for e in results],
+        {"in-call": [e["in_call_x_ideal"] for e in results],
+         "+ workspace": [e["with_workspace_x_ideal"] for e in results]},
+        f"peak per rank x {n} / ideal (one device)",
+    )
+    emit(report, text, notes, args.json, plot=chart)
 
 
 if __name__ == "__main__":

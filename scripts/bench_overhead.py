@@ -7,12 +7,13 @@ that machine noise hits both alike; the reported ratio is the median over rounds
 (seqpar time / backend time), each round taking the median of ``--iters`` calls.
 
     python scripts/bench_overhead.py                  # 64 tokens, H=8, D=64, causal, fp32
-    python scripts/bench_overhead.py --seq-len 1024
+    python scripts/bench_overhead.py --seq-len 1024 --plot overhead.png
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _bench_common import emit, table  # noqa: E402
+from _bench_common import HelpFormatter, add_plot_argument, emit, plain, plot_bars, table  # noqa: E402
 
 import seqpar  # noqa: E402
 from seqpar.backends import get_backend  # noqa: E402
@@ -39,15 +40,16 @@ def _median_call(fn, iters: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens (default 64)")
-    parser.add_argument("--heads", type=int, default=8, help="heads (default 8)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    parser.add_argument("--dtype", default="float32", help="dtype (default float32)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--iters", type=int, default=50, help="calls per round (default 50)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    parser.add_argument("--json", default=None, help="also write the JSON report to this file")
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens")
+    parser.add_argument("--heads", type=int, default=8, help="heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dim")
+    parser.add_argument("--dtype", default="float32", help="dtype")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--iters", type=int, default=50, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
+    add_plot_argument(parser, "the seqpar / backend time ratio of every round and their median")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -86,7 +88,16 @@ def main() -> None:
               "ratio": ratio, "rounds": [{"seqpar_s": a, "kernel_s": b, "ratio": r} for a, b, r in rounds]}
     notes = ["ratio = median over interleaved rounds of (median seqpar call / median direct backend call); "
              "the difference is validation, plan lookup and the autograd function"]
-    emit(report, text, notes, args.json)
+    chart = None if args.plot is None else functools.partial(
+        plot_bars,
+        args.plot,
+        f"seqpar.attention / direct {backend.name} calls, forward+backward, B=1 S={args.seq_len} H={args.heads} "
+        f"D={args.head_dim} {args.dtype}, causal, {args.threads} thread(s); median of {args.iters} calls per round",
+        [f"round {i + 1}" for i in range(len(rounds))] + ["median of rounds"],
+        {"seqpar / backend": [r[2] for r in rounds] + [ratio]},
+        "time ratio (1.0 = no overhead)",
+    )
+    emit(report, text, notes, args.json, plot=chart)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,14 @@ Two launchers:
   GPU with NCCL (rank 0 prints; the baseline runs on rank 0's device).
 
 Output: the tables, notes and warnings, then the whole report as one JSON line (last line);
-``--json PATH`` also writes it to a file.
+``--json PATH`` also writes it to a file; ``--plot PATH`` saves a chart of the ``cp max/mean``
+work balance of every mix per ``--balance-configs`` configuration.
 
 Examples::
 
     python scripts/bench_varlen.py                          # ~1-2 min on 2 cores
     python scripts/bench_varlen.py --balance-only           # balance tables only, seconds
+    python scripts/bench_varlen.py --balance-only --plot balance.png
     python scripts/bench_varlen.py --total 131072 --heads 8 --head-dim 64 --world 8 \\
         --configs 8x1,4x2,2x4,1x8 --json out.json
 """
@@ -41,6 +43,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import random
@@ -55,9 +58,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import (  # noqa: E402
+    HelpFormatter,
+    add_plot_argument,
     emit,
     few_iterations_warning,
     parse_configs,
+    plain,
+    plot_bars,
     table,
     time_sharing_warning,
     under_torchrun,
@@ -220,26 +227,27 @@ def _balance_table(balances: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--total", type=int, default=32768, help="packed tokens of the timed batch (default 32768)")
+    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("--total", type=int, default=32768, help="packed tokens of the timed batch")
     p.add_argument("--median", type=int, default=1024, help="median document length")
     p.add_argument("--sigma", type=float, default=1.2, help="log-normal sigma (tail weight)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention")
+    p.add_argument("--heads", type=int, default=4, help="query heads H")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv")
+    p.add_argument("--head-dim", type=int, default=32, help="head dim D")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype")
+    p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal attention (default: causal)")
     p.add_argument("--configs", default="4x1,2x2,1x4", help="timed RxU (ring x ulysses), comma-separated")
     p.add_argument("--balance-configs", default="2x1,4x1,8x1,2x2,4x2,2x4,1x4",
                    help="RxU whose work balance is computed for every mix (host maths)")
     p.add_argument("--balance-only", action="store_true", help="print the balance tables only, no timing")
     p.add_argument("--world", type=int, default=4, help="processes of the local pool")
     p.add_argument("--device", default="cpu", help="cpu, or cuda under torchrun")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--backend", default="auto", help="attention backend")
+    p.add_argument("--iters", type=int, default=3, help="timed calls per configuration; the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the length mixes and the inputs")
+    p.add_argument("--json", metavar="PATH", type=Path, default=None, help="also write the JSON report here")
+    add_plot_argument(p, "the cp max/mean work balance of every mix per --balance-configs configuration")
     args = p.parse_args(argv)
 
     configs = parse_configs(args.configs)
@@ -317,7 +325,17 @@ def main(argv: list[str] | None = None) -> None:
             None if torchrun else time_sharing_warning(world, usable_cores(), device.type),
             few_iterations_warning(args.iters),
         ]
-    emit(report, "\n".join(parts), notes, args.json)
+    chart = None if args.plot is None else functools.partial(
+        plot_bars,
+        args.plot,
+        f"{mask} varlen attention work per CP rank, max / mean (1.0 = perfect balance; host maths, H={args.heads} "
+        "heads split over Ulysses)",
+        [b["config"] for b in next(iter(balances.values()))["configs"]],
+        {name: [b["cp_max_over_mean"] for b in entry["configs"]] for name, entry in balances.items()},
+        "attended (query, key, head) triples per CP rank, max / mean",
+        value_format=".4f",
+    )
+    emit(report, "\n".join(parts), notes, args.json, plot=chart)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import seqpar  # noqa: E402
+from _bench_common import HelpFormatter, plain  # noqa: E402
 from seqpar.planner import CostModel, calibrate  # noqa: E402
 
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -39,7 +40,7 @@ def _measure(ranks_per_node: int | None, dtype: str | None, repeats: int) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("--out", default="cost.json", help="where rank 0 writes the cost model (default cost.json)")
     parser.add_argument("--local", type=int, metavar="N", help="spawn N local CPU ranks (gloo) instead of torchrun")
     parser.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default: GPUs per node, or all)")

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _bench_common import HelpFormatter, plain  # noqa: E402
 
 import seqpar  # noqa: E402
 from seqpar.integrations.diffusers import parallelize  # noqa: E402
@@ -95,15 +96,15 @@ def run(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["flux", "wan"], default="flux")
+    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("--model", choices=["flux", "wan"], default="flux", help="model family")
     p.add_argument("--world", type=int, default=2, help="local gloo ranks (ignored under torchrun)")
-    p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--ulysses", type=int, default=None, help="default: world // ring")
+    p.add_argument("--ring", type=int, default=1, help="ring size R")
+    p.add_argument("--ulysses", type=int, default=None, help="Ulysses size U (default: world // ring)")
     p.add_argument("--tokens", type=int, nargs=3, default=(3, 5, 7), metavar=("F", "H", "W"),
                    help="latent patches per frame, height and width (default 3 5 7: 105 tokens)")
     p.add_argument("--text", type=int, default=11, help="text tokens")
-    p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--tol", type=float, default=1e-4, help="max difference from the single-device model")
     args = p.parse_args()
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("gloo")

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _bench_common import HelpFormatter, plain  # noqa: E402
 
 import seqpar  # noqa: E402
 
@@ -161,12 +162,12 @@ def run(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["vit", "deit", "eva02"], default="vit")
+    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("--model", choices=["vit", "deit", "eva02"], default="vit", help="model family")
     p.add_argument("--world", type=int, default=2, help="local gloo ranks (ignored under torchrun)")
-    p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--ulysses", type=int, default=None, help="default: world // ring")
-    p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--ring", type=int, default=1, help="ring size R")
+    p.add_argument("--ulysses", type=int, default=None, help="Ulysses size U (default: world // ring)")
+    p.add_argument("--tol", type=float, default=1e-4, help="max difference from the single-device model")
     p.add_argument("--torchvision-stand-in", action="store_true",
                    help="import timm behind a stand-in for torchvision if no torchvision works here")
     args = p.parse_args()

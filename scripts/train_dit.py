@@ -26,6 +26,7 @@ import argparse
 import sys
 
 import torch
+from _bench_common import HelpFormatter, plain
 from _train_harness import Plot, add_check_args, add_parallel_args, finish, launch, parallel_state, train_loop
 
 import seqpar
@@ -34,19 +35,17 @@ from seqpar.training import sharded_mean, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
     add_parallel_args(p)
     p.add_argument(
         "--grid", type=int, nargs=3, default=(13, 9, 15), metavar=("T", "H", "W"), help="token grid"
     )
     p.add_argument("--channels", type=int, default=4, help="latent channels")
     p.add_argument("--batch", type=int, default=1, help="clips per step and DP replica")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--dim", type=int, default=48)
-    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30, help="training steps")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
+    p.add_argument("--dim", type=int, default=48, help="model width")
+    p.add_argument("--depth", type=int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=int, default=3, help="attention heads (3: not a multiple of U=2)")
     add_check_args(p, check_steps=5)
     return p.parse_args(argv)

@@ -24,6 +24,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from _bench_common import HelpFormatter, plain
 from _train_harness import Plot, add_check_args, add_parallel_args, finish, launch, parallel_state, train_loop
 
 import seqpar
@@ -33,19 +34,17 @@ from seqpar.training import sharded_cross_entropy, shift_labels, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
     add_parallel_args(p)
     p.add_argument("--seq-len", type=int, default=1023, help="tokens per sequence (any length)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step and DP replica")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--vocab", type=int, default=96)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="training steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--vocab", type=int, default=96, help="vocabulary size")
+    p.add_argument("--hidden", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--heads", type=int, default=4, help="query heads H")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv")
     add_check_args(p, check_steps=6)
     return p.parse_args(argv)
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser = commands.add_parser(
         "demo",
         help="run hybrid ring x Ulysses attention on local ranks and verify it against one device",
-        description=demo.__doc__,
+        description=demo.help_description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(demo_parser)

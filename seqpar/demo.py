@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -27,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "help_description", "run"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -57,6 +58,13 @@ class _Config:
     iters: int
 
 
+def help_description() -> str:
+    """This module's docstring as ``--help`` shows it: inline literals (double backticks) and roles
+    (``:func:`x```) reduced to their text, line breaks kept (use ``RawDescriptionHelpFormatter``)."""
+    text = re.sub(r"``(.+?)``", r"\1", __doc__.strip(), flags=re.DOTALL)
+    return re.sub(r":(?:[a-z]+:)?[a-z]+:`~?([^`]+)`", r"\1", text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     parser.add_argument("--world-size", type=int, default=4, help="number of local ranks (default 4)")
@@ -73,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto: CUDA + NCCL when there are >= world-size GPUs, else CPU + gloo",
+        help="auto: CUDA + NCCL when there are >= world-size GPUs, else CPU + gloo (default auto)",
     )
     parser.add_argument("--backend", default="auto", help="seqpar attention backend (default auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -392,7 +400,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m seqpar.demo``."""
-    parser = argparse.ArgumentParser(prog="seqpar demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="seqpar demo", description=help_description(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

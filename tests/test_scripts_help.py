@@ -1,0 +1,191 @@
+"""The scripts' command lines: readable ``--help`` and the benchmarks' ``--plot``.
+
+Every ``scripts/bench_*.py``, ``train_*.py``, ``example_*.py`` and ``calibrate.py`` (and
+``python -m seqpar demo``) answers ``--help`` with exit status 0, without reStructuredText markup
+from its docstring (double backticks), and states the default of every option that has one. The
+two quickest benchmarks run with ``--plot`` and write a PNG, the JSON report still on the last
+line of their output.
+
+Each script runs in its own interpreter (``sys.executable``), as ``python scripts/x.py`` would,
+through a small probe that records the parsers the script builds, so that the test knows which
+options have a default; the ``--help`` runs go a few at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+NAMES = sorted(
+    p.name
+    for p in SCRIPTS.glob("*.py")
+    if p.name.startswith(("bench_", "train_", "example_")) or p.name == "calibrate.py"
+)
+
+# Runs scripts/<argv[1]> with --help as __main__ (like `python scripts/x.py --help`), recording
+# each parser's options that have a default shown by --help; writes {"code", "defaults"} to argv[2].
+_PROBE = r"""
+import argparse, json, runpy, sys
+script, out = sys.argv[1], sys.argv[2]
+parsers = []
+parse_args = argparse.ArgumentParser.parse_args
+def recording(self, *args, **kwargs):
+    parsers.append(self)
+    return parse_args(self, *args, **kwargs)
+argparse.ArgumentParser.parse_args = recording
+sys.argv = [script, "--help"]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+code = None
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as e:
+    code = e.code
+flag = lambda a: a.nargs == 0 and not isinstance(a, argparse.BooleanOptionalAction)
+defaults = [a.option_strings for p in parsers for a in p._actions
+            if a.option_strings and a.default not in (None, argparse.SUPPRESS) and not flag(a)]
+with open(out, "w") as f:
+    json.dump({"code": code, "defaults": defaults}, f)
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+@cache
+def _help_runs(tmp: str) -> dict[str, tuple[subprocess.CompletedProcess, dict | None]]:
+    """Every script's probed ``--help``, run a few at a time (each imports torch: ~2 s of CPU)."""
+
+    def probe(name: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+        out = Path(tmp) / f"{name}.json"
+        proc = _run(["-c", _PROBE, str(SCRIPTS / name), str(out)], timeout=120)
+        return proc, json.loads(out.read_text()) if out.exists() else None
+
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1))) as pool:
+        return dict(zip(NAMES, pool.map(probe, NAMES)))
+
+
+def _entries(help_text: str) -> dict[str, str]:
+    """``--help``'s option entries: first option string -> the entry's text (all its lines)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        m = re.match(r"  (-{1,2}[\w-]+)", line)
+        if m:
+            current = m.group(1)
+            entries[current] = line
+        elif current and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def _missing_default(help_text: str, options: list[list[str]]) -> list[str]:
+    """The options (of those given) whose help entry does not mention a default."""
+    entries = _entries(help_text)
+    missing = []
+    for strings in options:
+        entry = next((entries[s] for s in strings if s in entries), "")
+        if "default" not in entry.lower():
+            missing.append(strings[-1])
+    return missing
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_is_readable_and_shows_defaults(name, tmp_path_factory):
+    proc, probe = _help_runs(str(tmp_path_factory.getbasetemp()))[name]
+    missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", proc.stderr)
+    if missing and not missing.group(1).startswith("seqpar"):
+        pytest.skip(f"{name} --help needs the optional package {missing.group(1)!r}, not installed here")
+    assert probe is not None and probe["code"] == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
+    assert "``" not in proc.stdout, f"{name} --help shows reStructuredText literals:\n{proc.stdout}"
+    assert ":func:`" not in proc.stdout and ":meth:`" not in proc.stdout, proc.stdout
+    assert probe["defaults"], f"{name}: no option with a default was recorded; is the probe still working?"
+    assert not _missing_default(proc.stdout, probe["defaults"]), (
+        f"{name} --help does not show the default of {_missing_default(proc.stdout, probe['defaults'])}:\n"
+        f"{proc.stdout}"
+    )
+
+
+def test_demo_help_is_readable_and_shows_defaults():
+    proc = _run(["-m", "seqpar", "demo", "--help"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "``" not in proc.stdout, proc.stdout
+    assert "hybrid attention on local ranks" in proc.stdout  # the description is there, as plain text
+    valued = [[opt] for opt, entry in _entries(proc.stdout).items() if re.match(r"\s*--[\w-]+ [A-Z{]", entry)]
+    assert len(valued) >= 10, proc.stdout
+    assert not _missing_default(proc.stdout, valued), proc.stdout
+
+
+def _check_plot(proc: subprocess.CompletedProcess, png: Path) -> None:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert png.is_file() and png.stat().st_size > 1000, f"no chart at {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = proc.stdout.splitlines()
+    assert f"wrote {png}" in lines
+    json.loads(lines[-1])  # the report is still the last line
+
+
+def test_bench_overhead_plot(tmp_path):
+    png = tmp_path / "overhead.png"
+    proc = _run(["scripts/bench_overhead.py", "--seq-len", "16", "--iters", "2", "--rounds", "2", "--plot", str(png)],
+                timeout=120)
+    _check_plot(proc, png)
+    assert json.loads(proc.stdout.splitlines()[-1])["args"]["plot"] == str(png)
+
+
+def test_bench_varlen_plot(tmp_path):
+    png = tmp_path / "varlen.png"
+    proc = _run(
+        ["scripts/bench_varlen.py", "--total", "512", "--median", "64", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "8", "--world", "2", "--configs", "2x1,1x2", "--balance-configs", "2x1,1x2",
+         "--iters", "1", "--plot", str(png)],
+        timeout=180,
+    )
+    _check_plot(proc, png)
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert [r["config"] for r in report["results"]] == ["2x1", "1x2"]
+
+
+def test_plot_without_matplotlib_fails_before_running(tmp_path):
+    """``--plot`` without matplotlib stops at parse time, saying how to install it."""
+    hide = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+        "sys.path.insert(0, 'scripts'); runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    png = tmp_path / "overhead.png"
+    proc = _run(["-c", hide, "scripts/bench_overhead.py", "--plot", str(png)], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert 'pip install -e ".[train]"' in proc.stderr
+    assert proc.stdout == "" and not png.exists()  # nothing was measured
+
+
+def test_plain_removes_rst_markup():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from _bench_common import plain
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert plain("``python -m seqpar demo``: see :func:`reference_run`") == "python -m seqpar demo: see reference_run"
+    assert plain("the **ideal** of *one device*, ``len**2``, 4 * D * pairs") == (
+        "the ideal of one device, len**2, 4 * D * pairs"
+    )
+    assert plain("Examples::\n\n    python x.py\n") == "Examples:\n\n    python x.py"
