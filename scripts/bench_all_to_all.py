@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,13 +56,13 @@ from _bench_common import (  # noqa: E402
 )
 
 from seqpar.comm import Workspace, all_to_all, split_sizes  # noqa: E402
-from seqpar.profiling import StorageTracker, median_seconds  # noqa: E402
+from seqpar.profiling import StorageTracker, iteration_seconds, max_over_ranks  # noqa: E402
 
 
 def _cases(args: argparse.Namespace, n: int) -> list[dict]:
     S, H, D = args.seq_len, args.heads, args.head_dim
     cases = []
-    for B in (1, args.batch):
+    for B in sorted({1, args.batch}):
         # Ulysses forward: [B, S_local, H, D] -> [B, S, H_local, D]; and back.
         cases.append(dict(name=f"ulysses fwd B={B}", global_shape=[B, S, H, D], scatter=2, gather=1))
         cases.append(dict(name=f"ulysses bwd B={B}", global_shape=[B, S, H, D], scatter=1, gather=2))
@@ -84,29 +85,39 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
         y = all_to_all(x, None, sd, gd, gather_size=shape[gd])
     out_bytes = y.nbytes
     del y
-    seconds = median_seconds(lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd]), iters, device)
     # With a workspace (what seqpar.attention does): the staging copy reuses one buffer.
     ws = Workspace()
     all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
     with StorageTracker() as mem_ws:
         y = all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
     del y
-    ws_seconds = median_seconds(
-        lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws), iters, device
-    )
     # Bare collective: same total bytes, equal splits, preallocated contiguous buffers.
     numel = torch.tensor([x.numel()], device=device)
     dist.all_reduce(numel, op=dist.ReduceOp.MAX)  # equal sizes on every rank
     per = -(-int(numel.item()) // n)
     src = torch.empty(per * n, device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    bare = median_seconds(lambda: dist.all_to_all_single(dst, src, group=None), iters, device)
 
     def bare_fresh() -> None:
         staged = src.clone()
         dist.all_to_all_single(torch.empty_like(staged), staged, group=None)
 
-    fresh = median_seconds(bare_fresh, iters, device)
+    variants = {
+        "seqpar": lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd]),
+        "workspace": lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws),
+        "bare": lambda: dist.all_to_all_single(dst, src, group=None),
+        "fresh": bare_fresh,
+    }
+    # Interleaved: every round times one call of each variant, so drift on a shared machine hits
+    # all of them alike; two untimed rounds first absorb the first-call costs.
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(iters + 2):
+        for name, fn in variants.items():
+            t = iteration_seconds(fn, 1, device, warmup=0)[0]
+            if round_ >= 2:
+                times[name].append(t)
+    medians = max_over_ranks([statistics.median(times[name]) for name in variants], device)
+    seconds, ws_seconds, bare, fresh = medians
     # Per rank: created bytes over the input's, the bound (staging + output) over the input's,
     # and created bytes over the bound; each the largest over ranks.
     inp = max(x.nbytes, 1)

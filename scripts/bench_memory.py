@@ -141,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
     n = args.world
     half = next(d for d in range(int(n**0.5), 0, -1) if n % d == 0)
-    configs = parse_configs(args.configs) if args.configs else [(n, 1), (1, n), (n // half, half)]
+    configs = parse_configs(args.configs) if args.configs else list(dict.fromkeys([(n, 1), (1, n), (n // half, half)]))
     for R, U in configs:
         if R * U != n:
             raise SystemExit(f"--configs: {R}x{U} does not use the {n} ranks of --world {n}")

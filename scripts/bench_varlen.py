@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         notes = [
             None if torchrun else time_sharing_warning(world, usable_cores(), device.type),
             few_iterations_warning(args.iters),
+            "WARNING: --warmup 0: each first timed call includes one-time costs (allocations, plans), so "
+            "times and speedups mislead; use --warmup 1 or more" if args.warmup == 0 else None,
         ]
     chart = None if args.plot is None else functools.partial(
         plot_bars,
