@@ -9,6 +9,11 @@ A function must be importable by name (module level) and picklable with its argu
 receives the arguments given to ``run`` and sees ``torch.distributed`` initialised with the
 pool's ranks. An exception on any rank is re-raised in the parent with that rank's traceback,
 after which the pool is torn down (its ranks may be out of step) and re-spawned on next use.
+
+Process groups a function creates (its ``ParallelState``'s ring, Ulysses, CP and DP groups) are
+destroyed when it returns: every gloo group keeps a ``gloo_tcp_loop`` thread that wakes up
+periodically, and a few hundred leaked groups per rank made an unrelated single-process test ten
+times slower on a 2-core machine. So a function must not leave groups for the next one.
 """
 
 from __future__ import annotations
@@ -44,12 +49,30 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, timeout
             if task is None:
                 break
             fn, args, kwargs = task
+            before = set(_groups())
             try:
                 results.put((rank, True, fn(*args, **kwargs)))
             except BaseException:  # noqa: BLE001 - reported to the parent verbatim
                 results.put((rank, False, traceback.format_exc()))
+            finally:
+                _destroy_new_groups(before)
     finally:
         dist.destroy_process_group()
+
+
+def _groups() -> list[Any]:
+    """The live process groups of this process, the default group included."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _destroy_new_groups(before: set[Any]) -> None:
+    """Destroy the groups created since ``before`` (a local operation for a non-default group)."""
+    for pg in _groups():
+        if pg not in before and pg is not dist.GroupMember.WORLD:
+            try:
+                dist.destroy_process_group(pg)
+            except (ValueError, RuntimeError):  # destroyed meanwhile
+                pass
 
 
 class DistPool:
@@ -57,14 +80,18 @@ class DistPool:
 
     Args:
         world_size: number of ranks (processes).
-        timeout_s: collective timeout inside the ranks, and how long ``run`` waits for results.
+        timeout_s: collective timeout inside the ranks, and how long ``run`` waits for results
+            (beyond that: 30 s of slack, plus ``startup_s`` on the run that spawns the ranks).
+        startup_s: what spawning takes at most: every rank imports torch (and the function's
+            modules) afresh, which on a loaded 2-core machine takes minutes for four ranks.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 120.0, startup_s: float = 300.0) -> None:
         if world_size < 1:
             raise ValueError(f"DistPool: world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.startup_s = startup_s
         self._procs: list[Any] = []
 
     def _start(self) -> None:
@@ -90,21 +117,23 @@ class DistPool:
         Raises:
             DistributedError: if any rank raised (with its traceback) or did not answer in time.
         """
+        wait_s = self.timeout_s + 30
         if not self._procs:
             self._start()
+            wait_s += self.startup_s
         for q in self._tasks:
             q.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         for _ in range(self.world_size):
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
+                rank, ok, value = self._results.get(timeout=wait_s)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 self.close()
                 raise DistributedError(
                     f"{fn.__name__}: no answer from {self.world_size - len(results) - len(errors)} "
-                    f"rank(s) within {self.timeout_s + 30:.0f}s (dead ranks: {dead}); errors so far: {errors}"
+                    f"rank(s) within {wait_s:.0f}s (dead ranks: {dead}); errors so far: {errors}"
                 ) from None
             (results if ok else errors)[rank] = value
         if errors:

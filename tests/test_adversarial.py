@@ -101,6 +101,9 @@ def _timeouts() -> dict:
             out["waited"] = None
         except RuntimeError:
             out["waited"] = time.monotonic() - start
+    # The partners keep their groups alive until rank 0 gave up (the pool destroys a function's
+    # groups when it returns, which would end rank 0's wait at once).
+    dist.barrier()
     return out
 
 

@@ -8,7 +8,8 @@ are completed by hidden setup code from ``FRAGMENTS`` below, keyed by the page a
 block, not skipped. A block that imports an optional package (transformers, diffusers, timm,
 flash-attn), or whose page marks it with ``<!-- docs-test: requires=diffusers -->`` on the line
 before the fence, is skipped -- with the reason shown by ``pytest -rs`` -- only when the package
-is missing or cannot be imported here (timm without torchvision).
+is missing or cannot be imported here. timm is imported as ``tests/test_timm.py`` imports it: behind
+a stand-in for torchvision when no working torchvision is importable (``scripts/example_timm.py``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,24 @@ x_full = torch.randn(1, S, 32)
 def proj(x):
     return x.view(1, -1, 4, 8), x[..., :16].reshape(1, -1, 2, 8), x[..., 16:].reshape(1, -1, 2, 8)
 """
+# Every block that needs timm runs after this, in its worker: timm imports torchvision at import time.
+_TIMM = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "scripts")!r})
+from example_timm import import_timm
+import_timm(stand_in=True)
+"""
+# The page's model is ViT-L/14 at 1036 px (300M parameters, 5,476 patches); the block runs the same
+# architecture, randomly initialised, at a size a CPU test affords (5 x 5 = 25 patches, one block).
+_TIMM_CREATE = """
+import torch
+import timm
+_create_model = timm.create_model
+def _small(name, **kwargs):
+    return _create_model(name, **{**kwargs, "img_size": 70, "depth": 1, "embed_dim": 64, "num_heads": 4})
+timm.create_model = _small
+images = torch.randn(2, 3, 70, 70, generator=torch.Generator().manual_seed(0))
+"""
 _TORCHRUN_MODEL = """
 import os
 import tempfile
@@ -213,7 +232,17 @@ FRAGMENTS: dict[tuple[str, str], dict] = {
         requires=("diffusers",),
         setup="from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput\n"),
     ("docs/howto-diffusers.md", "out = model(**inputs).sample"): dict(ranks=2, setup=_FLUX_TRAIN, requires=("diffusers",)),
-    ("docs/howto-timm.md", "loss = F.cross_entropy(model(images), labels)"): dict(requires=("timm",)),
+    ("docs/howto-timm.md", '"vit_large_patch14_reg4_dinov2"'): dict(
+        ranks=4, setup=_TIMM_CREATE, teardown="timm.create_model = _create_model\n"),
+    ("docs/howto-timm.md", "loss = F.cross_entropy(model(images), labels)"): dict(
+        ranks=2, requires=("timm",), setup=_TIMM_CREATE + """
+import torch.nn.functional as F
+import seqpar
+from seqpar.integrations.timm import parallelize
+state = seqpar.ParallelState(ring_size=2)
+model = parallelize(timm.create_model("vit_large_patch14_reg4_dinov2", num_classes=5), state)
+labels = torch.tensor([1, 4])
+""", teardown="timm.create_model = _create_model\n"),
 }
 # Pages whose blocks all run on this many ranks unless FRAGMENTS says otherwise.
 PAGE_RANKS = {"docs/conventions.md": 2, "docs/troubleshooting.md": 2, "docs/recipes.md": 2}
@@ -297,7 +326,15 @@ def _unusable(package: str) -> str | None:
     if importlib.util.find_spec(package) is None:
         return f"needs {package}, which is not installed"
     try:
-        importlib.import_module(package)
+        if package == "timm":
+            import sys
+
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from example_timm import import_timm
+
+            import_timm(stand_in=True)
+        else:
+            importlib.import_module(package)
     except Exception as e:  # noqa: BLE001 - installed but broken here (timm without torchvision)
         return f"needs {package}, which is installed but does not import here ({type(e).__name__}: {e})"
     return None
@@ -311,8 +348,9 @@ def test_block_runs(block, pools):
         pytest.skip("; ".join(reasons))
     # Code lines, not the fence: a traceback then points at the page's own line numbers.
     code = "\n" * block.line + block.code
+    setup = (_TIMM if "timm" in _required(block, settings) else "") + settings["setup"]
     pool = pools(settings["ranks"])
-    assert all(pool.run(_run_block, block.page, settings["setup"], code, settings["teardown"]))
+    assert all(pool.run(_run_block, block.page, setup, code, settings["teardown"]))
 
 
 def test_every_fragment_entry_matches_a_block():

@@ -150,7 +150,9 @@ def _torchrun(script, *args, timeout=240):
 def test_train_lm_check(tmp_path):
     plot = tmp_path / "lm.png"
     proc = _torchrun(
-        "train_lm.py", "--ring", "2", "--ulysses", "2", "--steps", "8", "--check", "--plot", str(plot)
+        # 131 tokens: not a multiple of the 2 * 2 zig-zag chunks nor of the 4 ranks
+        "train_lm.py", "--ring", "2", "--ulysses", "2", "--steps", "3", "--seq-len", "131", "--check",
+        "--plot", str(plot),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "train_lm --check OK" in proc.stdout
@@ -161,7 +163,8 @@ def test_train_dit_check_with_data_parallel(tmp_path):
     plot = tmp_path / "dit.png"
     # ring 2 x ulysses 1 on 4 ranks: 2 data-parallel replicas.
     proc = _torchrun(
-        "train_dit.py", "--ring", "2", "--ulysses", "1", "--steps", "6", "--check", "--plot", str(plot)
+        "train_dit.py", "--ring", "2", "--ulysses", "1", "--steps", "3", "--grid", "5", "6", "10", "--check",
+        "--plot", str(plot),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "train_dit --check OK" in proc.stdout
@@ -170,6 +173,6 @@ def test_train_dit_check_with_data_parallel(tmp_path):
 
 def test_train_dit_check_fails_loudly():
     # A zero tolerance cannot be met by fp32 arithmetic in a different order.
-    proc = _torchrun("train_dit.py", "--steps", "3", "--check", "--tol", "0")
+    proc = _torchrun("train_dit.py", "--steps", "2", "--grid", "5", "6", "10", "--check", "--tol", "0")
     assert proc.returncode != 0
     assert "train_dit --check FAILED" in proc.stderr
