@@ -366,6 +366,7 @@ def bench_rank(p: dict, configs: list[tuple[str, int, int]]) -> list[dict]:
                 pairs = plan_figures(p, R, U, kw)["per_rank"][state.cp_rank]["pairs"]
                 row.update(_kernel_efficiency(p, c, kern, pairs, device, dtype, row["kernel_ms"] / 1e3))
             rows.append(row)
+        state.close()  # each gloo group left open keeps a polling thread (timings of later configs)
     return rows
 
 

@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             for R, U in configs:
                 state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
                 mine = measure(cfg, state, device, together=True)
+                state.close()
                 gathered = [None] * world
                 dist.all_gather_object(gathered, mine)
                 if rank == 0:
