@@ -1,0 +1,109 @@
+"""seqpar.one_rank: one rank of an R x U job alone in a process (fake process group) runs exactly
+the kernel calls and the communication of that rank in a real multi-rank run; the GPU check's
+plumbing runs end to end on the CPU (``scripts/gpu_check --cpu-smoke``)."""
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar.one_rank import MaxLenSearch, OneRankConfig, rank_work, run_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small CPU cases: uneven heads over U, GQA, a length no zig-zag chunking divides, packed documents.
+CASES = {
+    "2x2 dense causal": OneRankConfig(ring=2, ulysses=2, seq_len=257, heads=6, kv_heads=2, head_dim=16,
+                                      device="cpu", causal=True),
+    "3x1 packed causal": OneRankConfig(ring=3, ulysses=1, seq_len=239, heads=4, kv_heads=2, head_dim=16,
+                                       device="cpu", causal=True, varlen=True, doc_lens=(100, 7, 1, 131)),
+    "1x3 dense full": OneRankConfig(ring=1, ulysses=3, seq_len=101, heads=5, kv_heads=5, head_dim=8,
+                                    device="cpu", causal=False),
+}
+QUICK = dict(warmup=1, iters=1, monolithic=False, memory=False)
+
+
+def _real_rank(config: dict) -> dict:
+    """One step of this rank in a real gloo run, recorded as ``measure`` records it."""
+    from seqpar.one_rank import _CommRecorder, _new_state, _Rank, _resolve_inner, instrument
+
+    cfg = OneRankConfig.from_dict({**config, "cp_rank": dist.get_rank()})
+    device = torch.device("cpu")
+    state = _new_state(cfg)
+    backend = instrument(_resolve_inner(cfg, device), device)
+    rank = _Rank(cfg, device, state, backend)
+    with _CommRecorder() as comm:
+        rank.step()
+    state.close()
+    return {"kernel_calls": dict(backend.counts), "comm": {"counts": comm.counts, "bytes": comm.bytes}}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_rank_runs_what_the_real_rank_runs(pools, name):
+    config = dataclasses.replace(CASES[name], **QUICK)
+    n = config.cp_size
+    real = pools(n).run(_real_rank, dataclasses.asdict(config))
+    alone = run_tasks([dataclasses.replace(config, cp_rank=r) for r in range(n)], timeout_s=300)
+    for r in range(n):
+        assert "error" not in alone[r], alone[r]
+        assert not [w for w in alone[r]["warnings"] if "all-gather" in w], alone[r]["warnings"]
+        assert alone[r]["kernel_calls"] == real[r]["kernel_calls"], (name, r)
+        assert alone[r]["comm"] == real[r]["comm"], (name, r)
+        assert sum(alone[r]["kernel_calls"].values()) > 0 and alone[r]["comm"]["counts"], (name, r)
+
+
+def test_rank_work_sums_to_the_mask():
+    config = CASES["2x2 dense causal"]
+    S, H = config.seq_len, config.heads
+    work = [rank_work(dataclasses.replace(config, cp_rank=r)) for r in range(config.cp_size)]
+    assert sum(w["pairs"] for w in work) == H * S * (S + 1) // 2
+    assert sum(w["local_tokens"] for w in work) == S
+    assert [w["heads"] for w in work] == [3, 3] * 2  # 6 heads over U = 2
+    assert all(w["bwd_flops"] == int(2.5 * w["fwd_flops"]) for w in work)
+    full = CASES["1x3 dense full"]
+    assert sum(rank_work(dataclasses.replace(full, cp_rank=r))["pairs"] for r in range(3)) == 5 * 101 * 101
+
+
+def test_measure_reports_figures_and_bad_configs_raise():
+    config = dataclasses.replace(CASES["2x2 dense causal"], warmup=1, iters=2, cp_rank=3)
+    out = run_tasks([config], timeout_s=300)[0]
+    assert "error" not in out, out
+    assert out["fwd_ms"] > 0 and out["bwd_ms"] > 0 and out["efficiency"] > 0
+    assert out["memory"]["peak_bytes"] >= out["memory"]["in_call_peak_bytes"] > 0
+    assert out["monolithic"]["fwd_flops"] > 0
+    with pytest.raises(ValueError, match="cp_rank"):
+        dataclasses.replace(config, cp_rank=4).validate()
+    with pytest.raises(ValueError, match="varlen"):
+        MaxLenSearch(CASES["3x1 packed causal"])
+
+
+def test_max_len_search_on_the_cpu():
+    config = dataclasses.replace(CASES["2x2 dense causal"], warmup=0, iters=1, monolithic=False)
+    small, large = run_tasks(
+        [MaxLenSearch(config, memory_limit_bytes=limit, granule=64, start=128, check_tokens=128)
+         for limit in (8 * 2**20, 32 * 2**20)],
+        timeout_s=300,
+    )
+    for out in (small, large):
+        assert "error" not in out, out
+    assert 0 < small["max_seq_len"] < large["max_seq_len"], (small["max_seq_len"], large["max_seq_len"])
+    assert 0.9 < small["stub_vs_real"]["ratio"] < 1.1, small["stub_vs_real"]
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """Every step of the GPU check runs (tiny sizes, CPU) and writes its summary."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check"), "--cpu-smoke", "--out", str(tmp_path),
+                           "--budget", "10"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["smoke"]
+    status = {s["step"]: s["status"] for s in summary["steps"]}
+    assert all(v == "ok" for k, v in status.items() if k != "bench_memory"), status
+    assert (tmp_path / "summary.md").read_text().startswith("# seqpar GPU check")
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check"), "--no-such-option"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
