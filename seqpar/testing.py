@@ -61,8 +61,10 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, timeout
 
 
 def _groups() -> list[Any]:
-    """The live process groups of this process, the default group included."""
-    return list(dist.distributed_c10d._world.pg_map)
+    """The live process groups of this process, the default group included (torch's registry of
+    groups is private; without it nothing is cleaned up)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}))
 
 
 def _destroy_new_groups(before: set[Any]) -> None:

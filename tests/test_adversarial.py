@@ -289,3 +289,21 @@ def test_bad_labels_on_one_rank_raise_on_every_rank(pools):
         assert len(msgs) == 2, (rank, msgs)
         want = "must be labels" if rank == 1 else "cp rank 1 refused"
         assert want in msgs[0], (rank, msgs)
+
+
+def _live_groups(leave_a_state: bool) -> int:
+    from seqpar.testing import _groups
+
+    n = len(_groups())
+    if leave_a_state:
+        ParallelState(2, 2)  # dropped without close(): its groups stay alive until the pool cleans up
+    return n
+
+
+def test_pool_destroys_the_groups_a_function_left():
+    """Leaked gloo groups each keep a polling thread (docs/troubleshooting.md, "Slow"): the pool
+    must not let one test's unclosed state slow down every later one."""
+    with DistPool(4, timeout_s=30) as pool:
+        before = pool.run(_live_groups, True)
+        after = pool.run(_live_groups, False)
+    assert after == before, (before, after)
