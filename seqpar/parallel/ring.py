@@ -339,22 +339,8 @@ def ring_backward(
             send_k = _buffer(run, f"ring.send_grad_k.{i % 2}", shape_k, k, k.dtype)
             send_v = _buffer(run, f"ring.send_grad_v.{i % 2}", shape_v, v, v.dtype)
             calls = _split_keys(step.calls)
-            if any(isinstance(c, SegmentCall) for c in calls):
-                sum_k = _buffer(run, "ring.sum_grad_k", shape_k, k, acc).zero_()
-                sum_v = _buffer(run, "ring.sum_grad_v", shape_v, v, acc).zero_()
-                for call in calls:
-                    if isinstance(call, SegmentCall):
-                        grads = (dq.result(), sum_k, sum_v)
-                        _call_backward_into(run, call, dout, q, k_cur, v_cur, out, lse, grads, cache)
-                        continue
-                    rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
-                    dq.add(rows, g_q)
-                    sum_k[:, cols] += g_k
-                    sum_v[:, cols] += g_v
-                    del g_q, g_k, g_v
-                send_k.copy_(sum_k)
-                send_v.copy_(sum_v)
-            elif _disjoint_keys(calls, step.kv_len):
+            if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
+                # Each key row's gradient comes from one call: straight into the send buffers.
                 for call in calls:
                     rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
                     dq.add(rows, g_q)
@@ -362,9 +348,14 @@ def ring_backward(
                     (send_v if cols is None else send_v[:, cols]).copy_(g_v)
                     del g_q, g_k, g_v
             else:
+                # Segments, or blocks sharing key rows: sum in the accumulator dtype, then send.
                 sum_k = _buffer(run, "ring.sum_grad_k", shape_k, k, acc).zero_()
                 sum_v = _buffer(run, "ring.sum_grad_v", shape_v, v, acc).zero_()
                 for call in calls:
+                    if isinstance(call, SegmentCall):
+                        grads = (dq.result(), sum_k, sum_v)
+                        _call_backward_into(run, call, dout, q, k_cur, v_cur, out, lse, grads, cache)
+                        continue
                     rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
                     dq.add(rows, g_q)
                     sum_k[:, cols] += g_k
@@ -427,7 +418,7 @@ def _split_keys(calls):
     return out
 
 
-def _disjoint_keys(calls, kv_len: int) -> bool:
+def _disjoint_keys(calls) -> bool:
     """Whether the block calls read disjoint key rows (each key's gradient comes from one call)."""
     spans = sorted((c.k0, c.k1) for c in calls)
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
