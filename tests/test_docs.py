@@ -163,7 +163,8 @@ def proj(x):
 # Every block that needs timm runs after this, in its worker: timm imports torchvision at import time.
 _TIMM = f"""
 import sys
-sys.path.insert(0, {str(ROOT / "scripts")!r})
+if {str(ROOT / "scripts")!r} not in sys.path:
+    sys.path.insert(0, {str(ROOT / "scripts")!r})
 from example_timm import import_timm
 import_timm(stand_in=True)
 """
@@ -327,12 +328,7 @@ def _unusable(package: str) -> str | None:
         return f"needs {package}, which is not installed"
     try:
         if package == "timm":
-            import sys
-
-            sys.path.insert(0, str(ROOT / "scripts"))
-            from example_timm import import_timm
-
-            import_timm(stand_in=True)
+            exec(_TIMM, {})  # as the block's worker will import it
         else:
             importlib.import_module(package)
     except Exception as e:  # noqa: BLE001 - installed but broken here (timm without torchvision)
@@ -343,12 +339,13 @@ def _unusable(package: str) -> str | None:
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block_runs(block, pools):
     settings = _settings(block)
-    reasons = [r for r in map(_unusable, _required(block, settings)) if r]
+    required = _required(block, settings)
+    reasons = [r for r in map(_unusable, required) if r]
     if reasons:
         pytest.skip("; ".join(reasons))
     # Code lines, not the fence: a traceback then points at the page's own line numbers.
     code = "\n" * block.line + block.code
-    setup = (_TIMM if "timm" in _required(block, settings) else "") + settings["setup"]
+    setup = (_TIMM if "timm" in required else "") + settings["setup"]
     pool = pools(settings["ranks"])
     assert all(pool.run(_run_block, block.page, setup, code, settings["teardown"]))
 
