@@ -46,6 +46,29 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def check_on_ranks(run: Callable[[argparse.Namespace], float], args: argparse.Namespace) -> None:
+    """Run ``run(args)`` on every rank -- this process's under ``torchrun`` (gloo), else ``args.world``
+    local gloo ranks -- with ``args.ulysses`` defaulting to ``world // args.ring``; exit with
+    ``FAILED`` when any rank's error exceeds ``args.tol``, else print ``OK`` on rank 0."""
+    import torch.distributed as dist
+
+    if under_torchrun():
+        dist.init_process_group("gloo")
+        args.ulysses = args.ulysses or dist.get_world_size() // args.ring
+        errors = [run(args)]
+        dist.destroy_process_group()
+    else:
+        from seqpar.testing import DistPool
+
+        args.ulysses = args.ulysses or args.world // args.ring
+        with DistPool(args.world) as pool:
+            errors = pool.run(run, args)
+    if max(errors) > args.tol:
+        raise SystemExit(f"FAILED: max relative error {max(errors):.1e} > --tol {args.tol}")
+    if os.environ.get("RANK", "0") == "0":
+        print("OK: the parallel model matches one device")
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, not the machine's core count)."""
     try:

@@ -18,7 +18,6 @@ Without ``torchrun`` the ranks are local gloo processes (``seqpar.testing.DistPo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _bench_common import HelpFormatter, plain  # noqa: E402
+from _bench_common import HelpFormatter, check_on_ranks, plain  # noqa: E402
 
 import seqpar  # noqa: E402
 from seqpar.integrations.diffusers import parallelize  # noqa: E402
@@ -106,23 +105,7 @@ def main() -> None:
     p.add_argument("--text", type=int, default=11, help="text tokens")
     p.add_argument("--tol", type=float, default=1e-4, help="max difference from the single-device model")
     args = p.parse_args()
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        world = dist.get_world_size()
-        args.ulysses = args.ulysses or world // args.ring
-        err = run(args)
-        dist.destroy_process_group()
-        errors = [err]
-    else:
-        from seqpar.testing import DistPool
-
-        args.ulysses = args.ulysses or args.world // args.ring
-        with DistPool(args.world) as pool:
-            errors = pool.run(run, args)
-    if max(errors) > args.tol:
-        raise SystemExit(f"FAILED: max relative error {max(errors):.1e} > --tol {args.tol}")
-    if os.environ.get("RANK", "0") == "0":
-        print("OK: the parallel model matches one device")
+    check_on_ranks(run, args)
 
 
 if __name__ == "__main__":

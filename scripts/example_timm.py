@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _bench_common import HelpFormatter, plain  # noqa: E402
+from _bench_common import HelpFormatter, check_on_ranks, plain  # noqa: E402
 
 import seqpar  # noqa: E402
 
@@ -177,21 +177,7 @@ def main() -> None:
         raise SystemExit(str(e)) from None
     if why and os.environ.get("RANK", "0") == "0":
         print(f"note: timm imported with a stand-in for torchvision ({why})")
-    if "RANK" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
-        args.ulysses = args.ulysses or dist.get_world_size() // args.ring
-        errors = [run(args)]
-        dist.destroy_process_group()
-    else:
-        from seqpar.testing import DistPool
-
-        args.ulysses = args.ulysses or args.world // args.ring
-        with DistPool(args.world) as pool:
-            errors = pool.run(run, args)
-    if max(errors) > args.tol:
-        raise SystemExit(f"FAILED: max relative error {max(errors):.1e} > --tol {args.tol}")
-    if os.environ.get("RANK", "0") == "0":
-        print("OK: the parallel model matches one device")
+    check_on_ranks(run, args)
 
 
 if __name__ == "__main__":
