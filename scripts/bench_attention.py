@@ -61,7 +61,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
@@ -91,6 +90,7 @@ from seqpar.parallel.ulysses import head_assignments  # noqa: E402
 from seqpar.placement import Mask, Placement, ring_plan  # noqa: E402
 from seqpar.placement.blocks import tile_pairs  # noqa: E402
 from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes  # noqa: E402
+from seqpar.one_rank import instrument  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)
@@ -161,73 +161,6 @@ def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Measurement helpers
-
-
-def timed_backend(inner: KernelBackend, device: torch.device) -> KernelBackend:
-    """A backend of ``inner``'s class that also records the wall time and the shapes of every
-    kernel call the ring makes (nested calls, e.g. the CPU varlen path's dense calls, count once).
-
-    The ring calls the trusted ``kernel_*`` methods, so those are the ones wrapped. On CUDA the
-    times come from events, read by :meth:`total_seconds`.
-    """
-    base = type(inner)
-
-    class Timed(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__()
-            self.seconds = 0.0
-            self.calls: list[tuple] = []  # forward calls: ("dense", q, k, window) / ("varlen", q, k, packing, window)
-            self._pending: list[tuple[Any, Any]] = []
-            self._depth = 0
-
-        def _timed(self, fn: Callable[[], Any]) -> Any:
-            self._depth += 1
-            try:
-                if self._depth > 1:
-                    return fn()
-                if device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    out = fn()
-                    end.record()
-                    self._pending.append((start, end))
-                    return out
-                t0 = time.perf_counter()
-                out = fn()
-                self.seconds += time.perf_counter() - t0
-                return out
-            finally:
-                self._depth -= 1
-
-        def total_seconds(self) -> float:
-            if self._pending:
-                torch.cuda.synchronize(device)
-                self.seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3
-                self._pending = []
-            return self.seconds
-
-        def reset(self) -> None:
-            self.total_seconds()
-            self.seconds, self.calls = 0.0, []
-
-        def kernel_forward(self, q, k, v, **kw):
-            if self._depth == 0:
-                self.calls.append(("dense", tuple(q.shape), tuple(k.shape), kw["window"]))
-            return self._timed(lambda: base.kernel_forward(self, q, k, v, **kw))
-
-        def kernel_backward(self, dout, q, k, v, out, lse, **kw):
-            return self._timed(lambda: base.kernel_backward(self, dout, q, k, v, out, lse, **kw))
-
-        def kernel_varlen_forward(self, q, k, v, packing, **kw):
-            if self._depth == 0:
-                self.calls.append(("varlen", tuple(q.shape), tuple(k.shape), packing, kw["window"]))
-            return self._timed(lambda: base.kernel_varlen_forward(self, q, k, v, packing, **kw))
-
-        def kernel_varlen_backward(self, dout, q, k, v, out, lse, packing, **kw):
-            return self._timed(lambda: base.kernel_varlen_backward(self, dout, q, k, v, out, lse, packing, **kw))
-
-    Timed.__name__ = Timed.__qualname__ = f"Timed{base.__name__}"
-    return Timed()
 
 
 def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
@@ -344,7 +277,7 @@ def bench_rank(p: dict, configs: list[tuple[str, int, int]]) -> list[dict]:
         for t in (q, k, v):
             t.requires_grad_()
         kernels = [
-            timed_backend(get_backend(p["backend"], device, dtype, window="window" in kw), device) for _, kw in masks
+            instrument(get_backend(p["backend"], device, dtype, window="window" in kw), device) for _, kw in masks
         ]
         steps = [_attention_step(q, k, v, dout, state, p, kern, kw) for kern, (_, kw) in zip(kernels, masks)]
         # One untimed call each: records the kernel calls and the ring bytes sent.

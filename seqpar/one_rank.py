@@ -402,8 +402,10 @@ def instrument(inner, device: torch.device, scratch: dict | None = None):
 
     Attributes of the result: ``counts`` (calls per kind: ``forward``, ``backward``,
     ``varlen_forward``, ``varlen_backward``; a varlen backward "into" counts as a varlen
-    backward; nested calls, e.g. the CPU varlen path's dense calls, count once), ``seconds()``
-    (kernel time per kind since the last ``reset()``; CUDA events on a GPU) and ``reset()``.
+    backward; nested calls, e.g. the CPU varlen path's dense calls, count once), ``calls`` (the
+    forward calls' shapes: ``("dense", q shape, k shape, window)`` or ``("varlen", q shape, k
+    shape, packing, window)``), ``seconds()`` (kernel time per kind since the last ``reset()``;
+    CUDA events on a GPU), ``total_seconds()`` and ``reset()``.
 
     ``scratch`` (the stub probe of Note [One-rank runs]): instead of running a kernel, allocate
     its outputs (``torch.empty``) and, for a moment, its transient bytes ``c0 + a * Sq + b * Sk``
@@ -415,6 +417,7 @@ def instrument(inner, device: torch.device, scratch: dict | None = None):
         def __init__(self) -> None:
             super().__init__()
             self.counts = dict.fromkeys(_KINDS, 0)
+            self.calls: list[tuple] = []
             self._elapsed = dict.fromkeys(_KINDS, 0.0)
             self._events: list[tuple[str, Any, Any]] = []
             self._depth = 0
@@ -422,7 +425,11 @@ def instrument(inner, device: torch.device, scratch: dict | None = None):
         def reset(self) -> None:
             self.seconds()
             self.counts = dict.fromkeys(_KINDS, 0)
+            self.calls = []
             self._elapsed = dict.fromkeys(_KINDS, 0.0)
+
+        def total_seconds(self) -> float:
+            return sum(self.seconds().values())
 
         def seconds(self) -> dict[str, float]:
             if self._events:
@@ -460,6 +467,9 @@ def instrument(inner, device: torch.device, scratch: dict | None = None):
                 self._depth -= 1
 
         def kernel_forward(self, q, k, v, **kw):
+            if self._depth == 0:
+                self.calls.append(("dense", tuple(q.shape), tuple(k.shape), kw["window"]))
+
             def stub():
                 B, S, H, _ = q.shape
                 return q.new_empty((B, S, H, v.shape[-1])), torch.empty((B, H, S), dtype=_lse(q), device=q.device)
@@ -473,6 +483,9 @@ def instrument(inner, device: torch.device, scratch: dict | None = None):
                               q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
 
         def kernel_varlen_forward(self, q, k, v, packing, **kw):
+            if self._depth == 0:
+                self.calls.append(("varlen", tuple(q.shape), tuple(k.shape), packing, kw["window"]))
+
             def stub():
                 T, H, _ = q.shape
                 return q.new_empty((T, H, v.shape[-1])), torch.empty((H, T), dtype=_lse(q), device=q.device)
