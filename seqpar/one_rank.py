@@ -86,6 +86,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .profiling import StorageTracker, sync
+
 __all__ = [
     "OneRankConfig",
     "MaxLenSearch",
@@ -534,11 +536,6 @@ def _device(config: OneRankConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _DecoderLayer(nn.Module):
     """A Llama-shaped decoder layer around ``seqpar.attention`` (no rotary embedding)."""
 
@@ -657,7 +654,7 @@ def _timed(rank: _Rank, iters: int) -> dict[str, list[float]]:
         return s["forward"] + s["varlen_forward"], s["backward"] + s["varlen_backward"]
 
     for _ in range(iters):
-        _sync(device)
+        sync(device)
         k0 = kernel_split()
         t0 = time.perf_counter()
         if device.type == "cuda":
@@ -686,16 +683,14 @@ def _timed(rank: _Rank, iters: int) -> dict[str, list[float]]:
 
 def _peak_memory(rank: _Rank) -> dict:
     """Peak bytes over one forward+backward (see Note [One-rank runs])."""
-    from .profiling import StorageTracker
-
     device = rank.device
     gc.collect()
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         rank.step()
-        _sync(device)
+        sync(device)
         peak = torch.cuda.max_memory_allocated(device)
         return {"peak_bytes": peak, "in_call_peak_bytes": peak - base, "before_call_bytes": base,
                 "measured_by": "torch.cuda.max_memory_allocated"}
@@ -725,7 +720,7 @@ def _monolithic(config: OneRankConfig, work: dict, inner, device: torch.device) 
     scale = D ** -0.5
     fwd, bwd = [], []
     for i in range(config.warmup + config.iters):
-        _sync(device)
+        sync(device)
         if device.type == "cuda":
             e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             e[0].record()
@@ -862,13 +857,11 @@ def measure(config: OneRankConfig) -> dict:
 
 def _transient(fn: Callable[[], Any], device: torch.device) -> tuple[int, Any]:
     """``(peak bytes above the start minus bytes still held at the end, fn's result)``."""
-    from .profiling import StorageTracker
-
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         out = fn()
-        _sync(device)
+        sync(device)
         return torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device), out
     with StorageTracker() as tracker:
         out = fn()
@@ -970,10 +963,10 @@ def _search(search: MaxLenSearch, device: torch.device, limit: int | None) -> di
         try:
             rank = _Rank(cfg, device, state, backend)
             if device.type == "cuda":
-                _sync(device)
+                sync(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 rank.step()
-                _sync(device)
+                sync(device)
                 peak = torch.cuda.max_memory_allocated(device)
             else:
                 peak = _peak_memory(rank)["peak_bytes"]
