@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .profiling import StorageTracker, sync
+from .profiling import CollectiveRecorder, StorageTracker, sync
 
 __all__ = [
     "OneRankConfig",
@@ -340,56 +340,6 @@ def fake_world(world_size: int, rank: int, device: torch.device | None = None) -
         yield
     finally:
         dist.destroy_process_group()
-
-
-class _CommRecorder:
-    """Counts the collectives (and bytes handed to them) while active, by wrapping the
-    ``torch.distributed`` functions seqpar's ``comm`` package calls (looked up at call time)."""
-
-    _NAMES = ("all_to_all_single", "batch_isend_irecv", "all_gather_single", "all_gather_into_tensor",
-              "all_gather", "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "broadcast")
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
-        self._saved: dict[str, Callable] = {}
-
-    def _add(self, name: str, nbytes: int) -> None:
-        self.counts[name] = self.counts.get(name, 0) + 1
-        self.bytes[name] = self.bytes.get(name, 0) + nbytes
-
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        def wrapped(*args, **kwargs):
-            if name == "batch_isend_irecv":
-                ops = args[0] if args else kwargs["p2p_op_list"]
-                sends = [op.tensor for op in ops if op.op is dist.isend]
-                self._add("p2p_send", sum(t.numel() * t.element_size() for t in sends))
-                self.counts["p2p_send_ops"] = self.counts.get("p2p_send_ops", 0) + len(sends)
-            else:
-                # The tensor sent: the input of the flat forms (second positional), else the first.
-                t = args[1] if len(args) > 1 and isinstance(args[1], Tensor) else (
-                    args[0] if args and isinstance(args[0], Tensor) else None)
-                self._add(name, 0 if t is None else t.numel() * t.element_size())
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    def __enter__(self) -> _CommRecorder:
-        for name in self._NAMES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._saved[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
-
-    @property
-    def gathers(self) -> int:
-        return sum(self.counts.get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor", "all_gather"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -794,7 +744,7 @@ def measure(config: OneRankConfig) -> dict:
     rank = None
     try:
         rank = _Rank(config, device, state, backend)
-        with _CommRecorder() as comm:
+        with CollectiveRecorder() as comm:
             rank.step()  # the first warm-up iteration: workspace, caches; records calls and traffic
         result["kernel_calls"] = dict(backend.counts)
         result["comm"] = {"counts": comm.counts, "bytes": comm.bytes}

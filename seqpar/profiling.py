@@ -12,6 +12,9 @@ memory created inside the block. Kernel scratch that never becomes a tensor is n
 Collectives that write into preallocated outputs allocate nothing of their own. ``PeakMemory``
 picks a peak measure per device (the CUDA allocator's, ``StorageTracker``'s, or the resident
 set's); ``maxrss_bytes`` is the process's resident high-water mark since it started.
+
+Communication: ``CollectiveRecorder`` counts the ``torch.distributed`` collectives called while it
+is active, and the bytes handed to them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
+    "CollectiveRecorder",
     "PeakMemory",
     "StorageTracker",
     "iteration_seconds",
@@ -258,3 +262,60 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
         else:
             self.peak = _proc_status("VmHWM") - self._base
+
+
+class CollectiveRecorder:
+    """Counts the ``torch.distributed`` collectives called while active, and the bytes sent.
+
+    The functions seqpar's ``comm`` package calls (``NAMES``) are replaced on the
+    ``torch.distributed`` module for the block (seqpar looks them up at call time) and restored
+    at exit. ``counts[name]``: calls of each function; ``bytes[name]``: bytes of the tensors it
+    was handed to send (a flat collective's input, the first tensor otherwise; for
+    ``batch_isend_irecv`` the sends only, whose number is ``counts["p2p_send_ops"]``).
+    """
+
+    NAMES = ("all_to_all_single", "batch_isend_irecv", "all_gather_single", "all_gather_into_tensor",
+             "all_gather", "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "barrier")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._saved: dict[str, Callable] = {}
+
+    def _add(self, name: str, nbytes: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.bytes[name] = self.bytes.get(name, 0) + nbytes
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                ops = args[0] if args else kwargs["p2p_op_list"]
+                sends = [op.tensor for op in ops if op.op is dist.isend]
+                self._add(name, sum(t.numel() * t.element_size() for t in sends))
+                self.counts["p2p_send_ops"] = self.counts.get("p2p_send_ops", 0) + len(sends)
+            else:
+                # The tensor sent: the input of the flat forms (second positional), else the first.
+                t = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else (
+                    args[0] if args and isinstance(args[0], torch.Tensor) else None)
+                self._add(name, 0 if t is None else t.numel() * t.element_size())
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __enter__(self) -> CollectiveRecorder:
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+    @property
+    def gathers(self) -> int:
+        """All-gather calls of any form."""
+        return sum(self.counts.get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor", "all_gather"))

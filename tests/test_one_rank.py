@@ -29,14 +29,15 @@ QUICK = dict(warmup=1, iters=1, monolithic=False, memory=False)
 
 def _real_rank(config: dict) -> dict:
     """One step of this rank in a real gloo run, recorded as ``measure`` records it."""
-    from seqpar.one_rank import _CommRecorder, _new_state, _Rank, _resolve_inner, instrument
+    from seqpar.one_rank import _new_state, _Rank, _resolve_inner, instrument
+    from seqpar.profiling import CollectiveRecorder
 
     cfg = OneRankConfig.from_dict({**config, "cp_rank": dist.get_rank()})
     device = torch.device("cpu")
     state = _new_state(cfg)
     backend = instrument(_resolve_inner(cfg, device), device)
     rank = _Rank(cfg, device, state, backend)
-    with _CommRecorder() as comm:
+    with CollectiveRecorder() as comm:
         rank.step()
     state.close()
     return {"kernel_calls": dict(backend.counts), "comm": {"counts": comm.counts, "bytes": comm.bytes}}

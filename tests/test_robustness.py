@@ -7,45 +7,18 @@ test in seconds instead of blocking it.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import seqpar
 from seqpar import ParallelState
 from seqpar.backends.reference import reference_attention
 from seqpar.placement import Placement
+from seqpar.profiling import CollectiveRecorder
 from seqpar.testing import DistPool
-
-_COUNTED = ("all_gather_into_tensor", "all_gather_single", "all_reduce", "all_to_all_single",
-            "batch_isend_irecv", "broadcast", "barrier")
-
-
-@contextlib.contextmanager
-def _count_collectives(counts: dict):
-    """Wrap torch.distributed's collectives (the ones seqpar.comm calls) to count their calls."""
-    saved = {}
-    for name in _COUNTED:
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-        saved[name] = fn
-
-        def wrapper(*args, __fn=fn, __name=name, **kwargs):
-            counts[__name] = counts.get(__name, 0) + 1
-            return __fn(*args, **kwargs)
-
-        setattr(dist, name, wrapper)
-    try:
-        yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
 
 def _rank_counts(configs) -> list[dict]:
     out = []
@@ -55,15 +28,15 @@ def _rank_counts(configs) -> list[dict]:
         S = 37
         q, k, v = (torch.randn(1, S, h, 8, generator=g) for h in (4, 2, 2))
         local = [seqpar.shard(t, state).requires_grad_() for t in (q, k, v)]
-        counts: dict = {}
-        with _count_collectives(counts):
+        with CollectiveRecorder() as recorder:
             o = seqpar.attention(*local, state, causal=True, seq_len=S if seq_len_known else None)
             o.sum().backward()
+        counts = recorder.counts
         lens = [5, 12, 20]
         packed = [seqpar.shard_packed(t[0], state, lens).requires_grad_() for t in (q, k, v)]
-        varlen_counts: dict = {}
-        with _count_collectives(varlen_counts):
+        with CollectiveRecorder() as recorder:
             seqpar.varlen_attention(*packed, state, lens, causal=True).sum().backward()
+        varlen_counts = recorder.counts
         out.append(((R, U, checks, seq_len_known), counts, varlen_counts))
         state.close()
     return out
