@@ -31,17 +31,13 @@ import torch
 
 from .comm import group_rank, group_size, reduce_
 from .placement.sizes import as_int
-from .state import ParallelState
+from .state import ParallelState, require_state
 
 __all__ = ["cp_generator", "synchronize", "synchronized"]
 
 # Distinct DP replicas get seeds this far apart (a prime well above any dp_size).
 _DP_STRIDE = 1_000_003
 
-
-def _check_state(state: object, where: str) -> None:
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
 
 
 def cp_generator(state: ParallelState, seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -59,7 +55,7 @@ def cp_generator(state: ParallelState, seed: int, device: torch.device | str = "
     Raises:
         ValueError: a bad ``state`` or a negative / non-int ``seed``.
     """
-    _check_state(state, "seqpar.rng.cp_generator")
+    require_state(state, "seqpar.rng.cp_generator")
     seed = as_int(seed, "seed", "seqpar.rng.cp_generator")
     g = torch.Generator(device=device)
     g.manual_seed((seed * _DP_STRIDE + state.dp_rank) % (1 << 63))
@@ -91,7 +87,7 @@ def synchronize(
     Raises:
         ValueError: a bad ``state`` or ``src``.
     """
-    _check_state(state, "seqpar.rng.synchronize")
+    require_state(state, "seqpar.rng.synchronize")
     src = as_int(src, "src", "seqpar.rng.synchronize")
     if src >= state.cp_size:
         raise ValueError(f"seqpar.rng.synchronize: src={src} is not a CP rank; valid: 0..{state.cp_size - 1}")
@@ -123,7 +119,7 @@ def synchronized(state: ParallelState, *, src: int = 0, cuda: bool | None = None
     Raises:
         ValueError: a bad ``state`` or ``src``.
     """
-    _check_state(state, "seqpar.rng.synchronized")
+    require_state(state, "seqpar.rng.synchronized")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     devices = [torch.cuda.current_device()] if cuda else []
     device = torch.device("cuda", devices[0]) if cuda else torch.device("cpu")

@@ -69,7 +69,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from .placement.sizes import as_int
-from .state import ParallelState
+from .state import ParallelState, require_state
 
 __all__ = ["parallel_sdpa", "local_sdpa", "scaled_dot_product_attention"]
 
@@ -395,9 +395,7 @@ def parallel_sdpa(
             y = vit_blocks(x)
         loss_share = (y * seqpar.shard(target, state)).sum()
     """
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"parallel_sdpa: state must be a seqpar.ParallelState, got {type(state).__name__}")
-    state.check_usable("parallel_sdpa")
+    require_state(state, "parallel_sdpa")
     if seq_len is not None:
         seq_len = as_int(seq_len, "seq_len", "parallel_sdpa")
     prefix = as_int(replicated_prefix, "replicated_prefix", "parallel_sdpa")

@@ -14,7 +14,7 @@ import torch
 from .comm import all_gather, check_dim, exchange_ints
 from .placement import Placement
 from .placement.sizes import as_int, check_seq_lens
-from .state import ParallelState
+from .state import ParallelState, require_state
 
 __all__ = ["shard", "unshard", "shard_positions", "shard_packed", "unshard_packed", "shard_packed_positions"]
 
@@ -22,9 +22,7 @@ __all__ = ["shard", "unshard", "shard_positions", "shard_packed", "unshard_packe
 def _check(x: object, state: object, where: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{where}: expected a tensor, got {type(x).__name__}")
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
-    state.check_usable(where)
+    require_state(state, where)
 
 
 def _local_ranges(placement: Placement, cp_rank: int) -> list[tuple[int, int]]:
@@ -188,7 +186,6 @@ def shard_packed_positions(
     Raises:
         ValueError: negative or non-int lengths.
     """
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"shard_packed_positions: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    require_state(state, "shard_packed_positions")
     _, pos = _packed(seq_lens, state, "shard_packed_positions").local_tokens(state.cp_rank)
     return pos.to(device) if device is not None else pos

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 Checks = Literal["auto", "always", "never"]
 _CHECKS = ("auto", "always", "never")
 
-__all__ = ["ParallelState"]
+__all__ = ["ParallelState", "require_state"]
 
 
 # Live states by handle: seqpar's custom operators (torch.compile, ``seqpar.compiled``) take a state
@@ -530,3 +530,23 @@ def _check_mesh_groups(state: ParallelState, mesh: DeviceMesh, where: str) -> No
                 f"puts ranks {want.tolist()} on that axis; build the mesh with init_device_mesh, or "
                 "DeviceMesh.from_group with groups that match its rank tensor"
             )
+
+
+def require_state(state: object, where: str) -> ParallelState:
+    """``state`` if it is a usable :class:`ParallelState` (the one check every public entry makes).
+
+    Args:
+        state: what the caller passed as ``state``.
+        where: the public function's name, prefixed to the message.
+
+    Raises:
+        ValueError: ``state`` is not a ``ParallelState``, was closed, or describes one process while
+            ``torch.distributed`` now has several (:meth:`ParallelState.check_usable`).
+    """
+    if not isinstance(state, ParallelState):
+        raise ValueError(
+            f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}; build one with "
+            "seqpar.ParallelState(ring_size=..., ulysses_size=...)"
+        )
+    state.check_usable(where)
+    return state

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from .placement.sizes import check_seq_lens, offsets
 from .attention import collective_checks
 from .comm import all_reduce, exchange_ints
-from .state import ParallelState
+from .state import ParallelState, require_state
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -57,11 +57,6 @@ __all__ = [
     "fully_shard_cp",
 ]
 
-
-def _check_state(state: object, where: str) -> None:
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"{where}: state must be a seqpar.ParallelState, got {type(state).__name__}")
-    state.check_usable(where)
 
 
 def _global_count(count: Tensor, state: ParallelState) -> Tensor:
@@ -130,7 +125,7 @@ def sharded_cross_entropy(
     Raises:
         ValueError: mismatched shapes, non-integer labels, or a bad ``state``.
     """
-    _check_state(state, "sharded_cross_entropy")
+    require_state(state, "sharded_cross_entropy")
     error = None
     if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
         error = ValueError(
@@ -184,7 +179,7 @@ def sharded_mean(values: Tensor, state: ParallelState) -> Tensor:
     Raises:
         ValueError: a bad ``state``.
     """
-    _check_state(state, "sharded_mean")
+    require_state(state, "sharded_mean")
     count = _global_count(torch.tensor(values.numel(), device=values.device), state)
     return values.sum() / count.to(values.dtype)
 
@@ -198,7 +193,7 @@ def global_loss(share: Tensor, state: ParallelState) -> Tensor:
     Returns:
         Detached scalar tensor.
     """
-    _check_state(state, "global_loss")
+    require_state(state, "global_loss")
     value = share.detach().clone()
     if state.cp_size > 1:
         value = all_reduce(value, state.cp_group)
@@ -242,7 +237,7 @@ def wrap_ddp(model: nn.Module, state: ParallelState, **ddp_kwargs) -> nn.Module:
     Raises:
         ValueError: a bad ``state`` or a ``process_group`` in ``ddp_kwargs``.
     """
-    _check_state(state, "wrap_ddp")
+    require_state(state, "wrap_ddp")
     if "process_group" in ddp_kwargs:
         raise ValueError("wrap_ddp: process_group is taken from state.parent_group; do not pass it")
     if state.parent_group is None:
@@ -262,7 +257,7 @@ def all_reduce_gradients(parameters: Iterable[nn.Parameter], state: ParallelStat
     Raises:
         ValueError: a bad ``state``.
     """
-    _check_state(state, "all_reduce_gradients")
+    require_state(state, "all_reduce_gradients")
     if state.parent_group is None:
         return
     by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
@@ -336,7 +331,7 @@ def fully_shard_cp(
         ValueError: a bad ``state``, ``mesh`` and ``device_type`` both given, a mesh of the
             wrong shape or ranks, or a meta-device model without ``device_type``.
     """
-    _check_state(state, "fully_shard_cp")
+    require_state(state, "fully_shard_cp")
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 

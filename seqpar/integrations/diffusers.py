@@ -88,7 +88,7 @@ from ..attention import attention
 from ..comm import all_gather, exchange_ints
 from ..placement.sizes import offsets, split_sizes
 from ..sdpa import local_sdpa, parallel_sdpa
-from ..state import ParallelState
+from ..state import ParallelState, require_state
 
 __all__ = ["ShardedAttention", "parallelize"]
 
@@ -546,8 +546,7 @@ def parallelize(
             and ``RuntimeError`` if processors were replaced afterwards.
         ImportError: diffusers is not installed.
     """
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"{_WHERE}: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    require_state(state, _WHERE)
     if not isinstance(model, nn.Module):
         raise ValueError(f"{_WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, _APPLIED, None) is not None:

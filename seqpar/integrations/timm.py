@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from ..sdpa import parallel_sdpa
-from ..state import ParallelState
+from ..state import ParallelState, require_state
 from .diffusers import _ContextHooks, gather_parts, split_part
 
 __all__ = ["parallelize"]
@@ -142,8 +142,7 @@ def parallelize(model: nn.Module, state: ParallelState, *, backend: str = "auto"
             drop-path or patch dropout active in training mode, and ``parallel_sdpa``'s errors for
             masks or causal attention.
     """
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"{_WHERE}: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    require_state(state, _WHERE)
     if not isinstance(model, nn.Module) or not _is_supported(model):
         raise ValueError(
             f"{_WHERE}: expected a timm VisionTransformer or Eva model (or a subclass), got "

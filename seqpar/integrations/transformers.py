@@ -108,7 +108,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..placement import Mask, Placement
-from ..state import ParallelState
+from ..state import ParallelState, require_state
 
 __all__ = ["RecognisedMask", "attention_forward", "mask_function", "recognise_mask_function", "register"]
 
@@ -637,8 +637,7 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
             built-in implementations.
         ImportError: transformers is missing or older than 4.53.
     """
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"register: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    require_state(state, "register")
     if not isinstance(name, str) or not name or name in _BUILTIN or name.startswith("paged|"):
         raise ValueError(
             f"register: name must be a new attn_implementation name, got {name!r} (built-in names "

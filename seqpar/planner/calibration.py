@@ -41,7 +41,7 @@ from ..comm import Workspace, all_to_all, group_rank, group_size, post, reduce_
 from ..parallel.ring import RingRun, ring_attention
 from ..placement import Mask, Placement, ring_plan
 from ..profiling import iteration_seconds, sync
-from ..state import ParallelState
+from ..state import ParallelState, require_state
 from .cost import KINDS, CostModel, KernelRates, Link
 from .predict import Shape, predict
 
@@ -95,8 +95,7 @@ def calibrate(
     Raises:
         ValueError: a bad ``state``, ``repeats < 1`` or a ``ranks_per_node`` that does not fit.
     """
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"calibrate: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    require_state(state, "calibrate")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"calibrate: repeats must be an int >= 1, got {repeats!r}")
     if device is None:
