@@ -86,9 +86,9 @@ from _bench_common import (  # noqa: E402
 import seqpar  # noqa: E402
 from seqpar.backends import KernelBackend, get_backend  # noqa: E402
 from seqpar.parallel import ring as ring_module  # noqa: E402
-from seqpar.parallel.ulysses import head_assignments  # noqa: E402
+from seqpar.placement import head_assignments  # noqa: E402
 from seqpar.placement import Mask, Placement, ring_plan  # noqa: E402
-from seqpar.placement.blocks import tile_pairs  # noqa: E402
+from seqpar.placement.ring import tile_pairs  # noqa: E402
 from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes  # noqa: E402
 from seqpar.one_rank import instrument  # noqa: E402
 

@@ -288,7 +288,7 @@ def rank_work(config: OneRankConfig) -> dict:
     queries (``seqpar.placement.attention_work`` times the batch); forward FLOPs are ``4 * D *
     pairs``, backward ``2.5x`` that.
     """
-    from .parallel.ulysses import head_assignments
+    from .placement.heads import head_assignments
     from .placement import Mask, Placement, attention_work
 
     R, U = config.ring, config.ulysses

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.parallel.ulysses import head_assignments
+from seqpar.placement import head_assignments
 from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_plan
 from seqpar.planner import CostModel, Link, calibrate, plan
 

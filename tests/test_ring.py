@@ -1,4 +1,4 @@
-"""The ring plan (seqpar.placement.blocks) and the ring driver (seqpar.parallel.ring).
+"""The ring plan (seqpar.placement.ring) and the ring driver (seqpar.parallel.ring).
 
 Plan tests are pure maths checked token pair by token pair against ``Mask.allows``; driver tests
 run on the shared gloo pools (``pools(R).run``), each rank function looping over many cases.
@@ -18,7 +18,7 @@ from seqpar import ParallelState
 from seqpar.backends import get_backend
 from seqpar.backends.reference import reference_attention
 from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_plan, split_sizes
-from seqpar.placement.blocks import BlockCall, tile_pairs
+from seqpar.placement.ring import BlockCall, tile_pairs
 from seqpar.parallel.ring import RingRun, ring_attention
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

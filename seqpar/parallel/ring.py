@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..backends.base import KernelBackend, Packing
 from ..comm import Group, Workspace, post, refuse_double_backward
-from ..placement.blocks import BlockCall, RingPlan, SegmentCall
+from ..placement.ring import BlockCall, RingPlan, SegmentCall, split_wide_blocks
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
 __all__ = ["RingRun", "ring_attention", "ring_forward", "ring_backward"]
@@ -338,7 +338,7 @@ def ring_backward(
             shape_v = (v.shape[0], step.kv_len, *v.shape[2:])
             send_k = _buffer(run, f"ring.send_grad_k.{i % 2}", shape_k, k, k.dtype)
             send_v = _buffer(run, f"ring.send_grad_v.{i % 2}", shape_v, v, v.dtype)
-            calls = _split_keys(step.calls)
+            calls = split_wide_blocks(step.calls)
             if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
                 # Each key row's gradient comes from one call: straight into the send buffers.
                 for call in calls:
@@ -398,24 +398,6 @@ def _single_block(run: RingRun, q: Tensor, k: Tensor, extra_k: Tensor | None) ->
         return False
     call = steps[0].calls[0]
     return isinstance(call, BlockCall) and (call.q0, call.q1, call.k0, call.k1) == (0, q.shape[1], 0, k.shape[1])
-
-
-# Unmasked blocks reading at least this many key rows run their backward in two halves of the
-# keys: the kernel's dK/dV results (alive next to every accumulator) are then half as large.
-_SPLIT_KEYS_FROM = 512
-
-
-def _split_keys(calls):
-    """The calls, with large unmasked blocks cut in two along their keys (same results)."""
-    out = []
-    for call in calls:
-        if isinstance(call, BlockCall) and call.window == (-1, -1) and call.k1 - call.k0 >= _SPLIT_KEYS_FROM:
-            mid = (call.k0 + call.k1) // 2
-            out += [BlockCall(call.q0, call.q1, call.k0, mid, call.window),
-                    BlockCall(call.q0, call.q1, mid, call.k1, call.window)]
-        else:
-            out.append(call)
-    return out
 
 
 def _disjoint_keys(calls) -> bool:

@@ -1,21 +1,25 @@
 """Where tokens live and which blocks meet: pure host maths, no communication.
 
 - :mod:`.sizes`: ``split_sizes`` and validated integer inputs;
-- :mod:`.rule`: :class:`Placement`, the token placement (Note [Sharding placement]);
+- :mod:`.layout`: :class:`Placement`, the token placement (Note [Sharding placement]);
+- :mod:`.heads`: :func:`head_assignments`, the query and K/V heads of every Ulysses rank;
 - :mod:`.masks`: :class:`Mask`, attention masks in global positions (Note [Masks]);
-- :mod:`.blocks`: the ring plan, which blocks every ring step computes (Note [Ring blocks]);
+- :mod:`.ring`: the ring plan, which blocks every ring step computes (Note [Ring blocks]);
 - :mod:`.work`: attention work per rank, for balance checks.
 """
 
-from .blocks import RingPlan, ring_plan
+from .ring import RingPlan, ring_plan
+from .heads import HeadAssignment, head_assignments
 from .masks import Mask
-from .rule import Placement
+from .layout import Placement
 from .sizes import check_seq_lens, offsets, split_sizes
 from .work import attention_work, imbalance
 
 __all__ = [
     "Placement",
     "Mask",
+    "HeadAssignment",
+    "head_assignments",
     "RingPlan",
     "ring_plan",
     "attention_work",

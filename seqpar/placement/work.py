@@ -7,9 +7,9 @@ heads, so work is split by query ownership across the ring and by heads inside a
 
 from __future__ import annotations
 
-from .blocks import ring_plan, tile_pairs
+from .ring import ring_plan, tile_pairs
 from .masks import Mask
-from .rule import Placement
+from .layout import Placement
 from .sizes import split_sizes
 
 __all__ = ["attention_work", "imbalance"]

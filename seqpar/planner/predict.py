@@ -39,15 +39,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..parallel.ulysses import HeadAssignment, head_assignments
+from ..placement.heads import HeadAssignment, head_assignments
 from ..placement import Mask, Placement, imbalance, ring_plan
-from ..placement.blocks import RingPlan, tile_pairs
+from ..placement.ring import SPLIT_KEYS_FROM, RingPlan, tile_pairs
 from .cost import CostModel, Link
 
 __all__ = ["Shape", "Candidate", "predict"]
 
 _FWD_FLOPS, _BWD_FLOPS = 4, 10  # per computed (query, key) pair, head and head-dim element
-_SPLIT_KEYS_FROM = 512  # as in seqpar.parallel.ring: its backward cuts unmasked blocks this wide in two
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,7 @@ def _step_work(plan: RingPlan, i: int) -> _StepWork:
     for kind, sel in masks.items():
         if bool(sel.any()):
             kinds[kind] = (tile_pairs(tiles.select(sel)), int(sq[sel].sum()), int((sq[sel] * sk[sel]).sum()))
-    wide = int((masks["full"] & (sk >= _SPLIT_KEYS_FROM)).sum()) if i > 0 else 0
+    wide = int((masks["full"] & (sk >= SPLIT_KEYS_FROM)).sum()) if i > 0 else 0
     return _StepWork(
         sum(p for p, _, _ in kinds.values()), kinds, len(step.calls), len(step.calls) + wide,
         int(sq.sum()), int(sk.sum()), sum(b - a for a, b in step.send_rows), sum(b - a for a, b in step.recv_rows),

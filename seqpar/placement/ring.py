@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from .masks import Mask
-from .rule import Placement
+from .layout import Placement
 
-__all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "pair_tiles", "tile_pairs"]
+__all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "tile_pairs", "split_wide_blocks", "SPLIT_KEYS_FROM"]
 
 _NEG, _POS = -(1 << 60), 1 << 60
 
@@ -204,7 +204,7 @@ def _pieces(placement: Placement, ring_rank: int, chunk_size: int | None) -> _Pi
     return _Pieces(key, start, stop - start, row[idx] + start - pos[idx], run[idx])
 
 
-def pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool) -> Tiles:
+def _pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool) -> Tiles:
     """The trimmed, merged blocks between query pieces ``qp`` and key pieces ``kp``."""
     lo_b, hi_b = mask.band
     lo = _NEG if lo_b is None else lo_b
@@ -365,7 +365,7 @@ def _all_tiles(placement: Placement, q_rank: int, k_rank: int, mask: Mask) -> Ti
         return Tiles(t, t + nq, t, t + nk, t - 1, t - 1, t * 0)
     qp = _pieces(placement, q_rank, mask.chunk_size)
     kp = qp if q_rank == k_rank else _pieces(placement, k_rank, mask.chunk_size)
-    return pair_tiles(qp, kp, mask, q_rank == k_rank)
+    return _pair_tiles(qp, kp, mask, q_rank == k_rank)
 
 
 def ring_plan(placement: Placement, ring_rank: int, mask: Mask, *, varlen: bool) -> RingPlan:
@@ -393,3 +393,23 @@ def ring_plan(placement: Placement, ring_rank: int, mask: Mask, *, varlen: bool)
             send = tuple(_all_tiles(placement, dst, r, mask).key_ranges())
         steps.append(Step(src, recv, kv_len, _calls(tiles, q_len, kv_len, varlen), tiles, dst, send))
     return RingPlan(R, r, q_len, placement.ring_lengths, tuple(steps))
+
+
+# Unmasked blocks reading at least this many key rows run their backward in two halves of the
+# keys: the kernel's dK/dV results (alive next to every accumulator) are then half as large.
+SPLIT_KEYS_FROM = 512
+
+
+def split_wide_blocks(calls: tuple[Call, ...] | list[Call]) -> list[Call]:
+    """The calls, with large unmasked blocks cut in two along their keys (same results); the ring's
+    backward runs these, so the kernel's dK/dV results (alive next to every accumulator) are half
+    as large."""
+    out = []
+    for call in calls:
+        if isinstance(call, BlockCall) and call.window == (-1, -1) and call.k1 - call.k0 >= SPLIT_KEYS_FROM:
+            mid = (call.k0 + call.k1) // 2
+            out += [BlockCall(call.q0, call.q1, call.k0, mid, call.window),
+                    BlockCall(call.q0, call.q1, mid, call.k1, call.window)]
+        else:
+            out.append(call)
+    return out
