@@ -58,10 +58,12 @@ def check_mask_options(
     """Validate ``causal``, ``window``, ``chunk_size`` and ``softcap``; return them normalised.
 
     Raises:
-        ValueError: a non-bool ``causal``; a window that is not two ints >= -1 or that asks for
+        ValueError: a non-bool ``causal`` (numpy bools count as bools); a window that is not two ints >= -1 or that asks for
             keys after the query with ``causal=True``; a non-positive ``chunk_size``; a negative
             or non-finite ``softcap``.
     """
+    if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
+        causal = bool(causal)  # numpy's bool scalar, as from a config array: the same in eager and compiled calls
     if not isinstance(causal, bool):
         raise ValueError(f"{where}: causal must be True or False, got {causal!r}")
     if (

@@ -8,17 +8,21 @@ disabled") and keeps host-side plans. So while compiling (``torch.compiler.is_co
 ``seqpar.attention`` and ``seqpar.varlen_attention`` become one call of the custom operator
 ``seqpar::attention`` / ``seqpar::varlen_attention``, opaque to the compiler:
 
-- the forward operator runs the eager code path unchanged (validation, the collective checks of
-  Note [Global length], the Ulysses all-to-alls and the ring) and returns, next to the output, the
-  residuals of its backward: the log-sum-exp of the ring (and of the replicated tokens) and the
-  placement it found. Their sizes depend on other ranks, so the fake (meta) implementation gives
-  them data-dependent sizes; the output has the shape of ``q``;
+- the options are validated before any conversion, by the same ``seqpar.prepare`` function as
+  in eager mode (``causal="False"`` or ``window=(2.7, 0)`` raise as they do there);
+- the forward operator prepares the call as eager code does (``seqpar.prepare``: validation, the
+  collective checks of Note [Global length]) and runs the one composition,
+  ``seqpar.parallel.hybrid.hybrid_forward`` (Note [Hybrid composition]); it returns, next to the
+  output, the residuals of its backward: the log-sum-exp of the ring (and of the replicated
+  tokens) and the placement it found. Their sizes depend on other ranks, so the fake (meta)
+  implementation gives them data-dependent sizes; the output has the shape of ``q``;
 - the backward operator, registered as the forward's autograd formula, rebuilds the call from
-  those residuals without any collective check and runs the eager backward. Eager and compiled
-  calls run the same kernels in the same order.
+  those residuals (``seqpar.prepare.build_call``: no check, no collective) and runs
+  ``hybrid_backward``. Eager and compiled calls run the same kernels in the same order.
 
-The ``ParallelState`` reaches the operators as its integer ``handle`` (a registry of live states
-in ``seqpar.state``), backends as their names. The compiled graph is specialised on the handle and
+The ``ParallelState`` reaches the operators as its ``handle`` (a registry of live states in
+``seqpar.state``) written as a string, so that the compiler treats it as a constant rather than a
+symbolic integer (several states, ``dynamic=True``); backends travel as their names. The compiled graph is specialised on the handle and
 every option: another state, other options or (for packed batches given as a list) other
 ``seq_lens`` recompile; pass ``seq_lens`` as a tensor to avoid that. Outputs are contiguous in
 the caller's layout. Double backward is not supported (as in eager).
@@ -31,95 +35,28 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .attention import DenseCall, _to_bshd, prepare_dense, prepare_varlen
-from .backends import KernelBackend
+from .parallel.hybrid import hybrid_backward, hybrid_forward
+from .checks import check_mask_options, check_scale
 from .parallel.merge import accumulator_dtype
-from .parallel.replicated import replicated_backward, replicated_forward
-from .parallel.ring import ring_backward, ring_forward
-from .parallel.ulysses import ulysses_ring_backward, ulysses_ring_forward
-from .state import ParallelState, state_from_handle
+from .placement import Mask
+from .placement.sizes import check_seq_lens
+from .prepare import (
+    PreparedCall,
+    backend_name,
+    build_call,
+    check_dense_options,
+    prepare_dense,
+    prepare_varlen,
+    resolve_backend,
+    to_bshd,
+)
+from .state import ParallelState, require_state, state_from_handle
 
-__all__ = ["compiled_attention", "compiled_varlen_attention", "attention_forward", "attention_backward"]
-
-
-# --- the composition, without autograd -------------------------------------------------------
-
-
-def _hybrid_forward(call: DenseCall, q, k, v, sinks, extra_k, extra_v) -> tuple[Tensor, Tensor]:
-    if call.state.ulysses_size == 1:
-        return ring_forward(q, k, v, sinks, extra_k, extra_v, call.ring_run())
-    return ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, call.ulysses_spec(), call.ring_run())
-
-
-def _hybrid_backward(call: DenseCall, dout, q, k, v, sinks, extra_k, extra_v, out, lse):
-    if call.state.ulysses_size == 1:
-        return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, call.ring_run())
-    return ulysses_ring_backward(
-        dout, q, k, v, sinks, extra_k, extra_v, out, lse, call.ulysses_spec(), call.ring_run()
-    )
+__all__ = ["compiled_attention", "compiled_varlen_attention"]
 
 
-def _text(x: Tensor, prefix: int, suffix: int) -> Tensor:
-    """The replicated rows of a bshd tensor: the first ``prefix`` and last ``suffix``."""
-    return torch.cat([x[:, :prefix], x[:, x.shape[1] - suffix:]], 1)
-
-
-def attention_forward(call: DenseCall, sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(out, lse_body, lse_text)`` of a prepared call (bshd ``out``; no autograd).
-
-    ``lse_text`` is ``[B, H, prefix + suffix]`` (empty without replicated tokens).
-    """
-    qb, kb, vb, p, s = call.qb, call.kb, call.vb, call.prefix, call.suffix
-    if not (p or s):
-        out, lse = _hybrid_forward(call, qb, kb, vb, sinks, None, None)
-        empty = qb.new_empty((qb.shape[0], qb.shape[2], 0), dtype=accumulator_dtype(qb.dtype))
-        return out, lse, empty
-    rows = slice(p, qb.shape[1] - s)
-    text = [_text(t, p, s) for t in (qb, kb, vb)]
-    body_out, lse_body = _hybrid_forward(call, qb[:, rows], kb[:, rows], vb[:, rows], sinks, text[1], text[2])
-    text_out, lse_text = replicated_forward(*text, kb[:, rows], vb[:, rows], sinks, call.replicated_run())
-    out = torch.cat([text_out[:, :p], body_out.to(text_out.dtype), text_out[:, p:]], 1)
-    return out, lse_body, lse_text
-
-
-def attention_backward(
-    call: DenseCall, dout: Tensor, sinks: Tensor | None, out: Tensor, lse_body: Tensor, lse_text: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """``(dq, dk, dv, dsinks)`` (bshd) of a prepared call from :func:`attention_forward`'s results."""
-    qb, kb, vb, p, s = call.qb, call.kb, call.vb, call.prefix, call.suffix
-    if not (p or s):
-        dq, dk, dv, dsinks, _, _ = _hybrid_backward(call, dout, qb, kb, vb, sinks, None, None, out, lse_body)
-        return dq, dk, dv, dsinks
-    rows = slice(p, qb.shape[1] - s)
-    text = [_text(t, p, s) for t in (qb, kb, vb)]
-    dqb, dkb, dvb, dsb, dek, dev = _hybrid_backward(
-        call, dout[:, rows], qb[:, rows], kb[:, rows], vb[:, rows], sinks, text[1], text[2], out[:, rows],
-        lse_body,
-    )
-    dqt, dkt, dvt, dkl, dvl, dst = replicated_backward(
-        _text(dout, p, s), *text, kb[:, rows], vb[:, rows], sinks, _text(out, p, s), lse_text,
-        call.replicated_run(),
-    )
-
-    def whole(text_grad: Tensor, body_grad: Tensor) -> Tensor:
-        return torch.cat([text_grad[:, :p], body_grad, text_grad[:, p:]], 1)
-
-    dsinks = None if sinks is None else dsb + dst
-    return whole(dqt, dqb), whole(dkt + dek, dkb + dkl), whole(dvt + dev, dvb + dvl), dsinks
-
-
-# --- operators -------------------------------------------------------------------------------
-
-
-def _backend_name(backend: object) -> str:
-    if isinstance(backend, str):
-        return backend
-    if isinstance(backend, KernelBackend):
-        return backend.name
-    raise ValueError(
-        f"seqpar.attention under torch.compile: backend must be a name or a seqpar backend, got "
-        f"{type(backend).__name__}"
-    )
+def _state(handle: str) -> ParallelState:
+    return state_from_handle(int(handle))
 
 
 def _lse_fake(like: Tensor) -> Tensor:
@@ -130,85 +67,87 @@ def _lse_fake(like: Tensor) -> Tensor:
                           dtype=accumulator_dtype(like.dtype))
 
 
-def _meta(call: DenseCall) -> Tensor:
+def _meta(call: PreparedCall) -> Tensor:
     """The placement a forward found: ``[S, has_free, free lengths (cp_size)]`` (int64, CPU)."""
     cp = call.state.cp_size
     free = list(call.free) if call.free is not None else [0] * cp
     return torch.tensor([call.seq_lens[0], int(call.free is not None), *free], dtype=torch.long)
 
 
-def _known(meta: Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    m = meta.tolist()
-    return (m[0],), (tuple(m[2:]) if m[1] else None)
+def _rebuild(
+    qb: Tensor, kb: Tensor, vb: Tensor, state: ParallelState, seq_lens: tuple[int, ...], free, causal: bool,
+    window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str,
+    prefix: int = 0, suffix: int = 0,
+) -> PreparedCall:
+    """The call a validated forward prepared, from its options and placement (no check, no collective)."""
+    mask = Mask(causal, tuple(window), chunk_size)
+    resolved = resolve_backend(backend, qb, mask.normalised(max(seq_lens, default=0)), softcap, "seqpar.compiled")
+    scale = qb.shape[-1] ** -0.5 if scale is None else scale
+    return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, softcap, prefix, suffix)
 
 
-_DENSE_OPTIONS = ("handle", "layout", "causal", "window", "chunk_size", "softcap", "scale", "seq_len", "backend",
-                  "prefix", "suffix")
-
-
-def _prepare(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend, prefix,
-             suffix, known=None) -> DenseCall:
-    return prepare_dense(
-        q, k, v, state_from_handle(handle), causal=causal, softmax_scale=scale, layout=layout, backend=backend,
-        seq_len=seq_len, window=tuple(window), softcap=softcap, sinks=sinks, chunk_size=chunk_size,
-        replicated_prefix=prefix, replicated_suffix=suffix, known=known,
-    )
+# --- seqpar::attention -------------------------------------------------------------------------
 
 
 @torch.library.custom_op("seqpar::attention", mutates_args=())
 def _attention_op(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], handle: int, layout: str, causal: bool,
+    q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], handle: str, layout: str, causal: bool,
     window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int],
     backend: str, prefix: int, suffix: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    call = _prepare(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend,
-                    prefix, suffix)
-    out, lse_body, lse_text = attention_forward(call, sinks)
-    return _to_bshd(out, layout).contiguous(), lse_body, lse_text, _meta(call)
+    options = check_dense_options(
+        causal=causal, softmax_scale=scale, layout=layout, seq_len=seq_len, window=tuple(window), softcap=softcap,
+        chunk_size=chunk_size, replicated_prefix=prefix, replicated_suffix=suffix,
+    )
+    call = prepare_dense(q, k, v, _state(handle), options, backend, sinks)
+    out, lse_body, lse_replicated = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
+    return to_bshd(out, layout).contiguous(), lse_body, lse_replicated, _meta(call)
 
 
 @_attention_op.register_fake
 def _(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend, prefix, suffix):
-    B, H = _to_bshd(q, layout).shape[0], _to_bshd(q, layout).shape[2]
-    lse_text = q.new_empty((B, H, prefix + suffix), dtype=accumulator_dtype(q.dtype))
-    meta = torch.empty(2 + state_from_handle(handle).cp_size, dtype=torch.long, device="cpu")
-    return q.new_empty(q.shape), _lse_fake(q), lse_text, meta
+    B, H = to_bshd(q, layout).shape[0], to_bshd(q, layout).shape[2]
+    lse_replicated = q.new_empty((B, H, prefix + suffix), dtype=accumulator_dtype(q.dtype))
+    meta = torch.empty(2 + _state(handle).cp_size, dtype=torch.long, device="cpu")
+    return q.new_empty(q.shape), _lse_fake(q), lse_replicated, meta
 
 
 @torch.library.custom_op("seqpar::attention_backward", mutates_args=())
 def _attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], out: Tensor, lse_body: Tensor,
-    lse_text: Tensor, meta: Tensor, handle: int, layout: str, causal: bool, window: list[int],
+    lse_replicated: Tensor, meta: Tensor, handle: str, layout: str, causal: bool, window: list[int],
     chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int], backend: str,
     prefix: int, suffix: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    call = _prepare(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend,
-                    prefix, suffix, known=_known(meta))
-    dq, dk, dv, dsinks = attention_backward(
-        call, _to_bshd(dout, layout), sinks, _to_bshd(out, layout), lse_body, lse_text
+    m = meta.tolist()
+    qb, kb, vb = (to_bshd(t, layout) for t in (q, k, v))
+    call = _rebuild(qb, kb, vb, _state(handle), (m[0],), tuple(m[2:]) if m[1] else None, causal, window,
+                    chunk_size, softcap, scale, backend, prefix, suffix)
+    dq, dk, dv, dsinks = hybrid_backward(
+        call.setup, to_bshd(dout, layout), qb, kb, vb, sinks, to_bshd(out, layout), lse_body, lse_replicated
     )
-    grads = [_to_bshd(g, layout).contiguous() for g in (dq, dk, dv)]
+    grads = [to_bshd(g, layout).contiguous() for g in (dq, dk, dv)]
     return (*grads, dsinks if dsinks is not None else q.new_zeros(0))
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, sinks, out, lse_body, lse_text, meta, *options):
+def _(dout, q, k, v, sinks, out, lse_body, lse_replicated, meta, *options):
     dsinks = torch.empty_like(sinks) if sinks is not None else q.new_zeros(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_attention(ctx, inputs, output) -> None:
     q, k, v, sinks, *options = inputs
-    out, lse_body, lse_text, meta = output
-    ctx.save_for_backward(q, k, v, sinks, out, lse_body, lse_text, meta)
+    out, lse_body, lse_replicated, meta = output
+    ctx.save_for_backward(q, k, v, sinks, out, lse_body, lse_replicated, meta)
     ctx.options = options
-    ctx.mark_non_differentiable(lse_body, lse_text, meta)
+    ctx.mark_non_differentiable(lse_body, lse_replicated, meta)
 
 
 def _attention_grad(ctx, dout, *_):
-    q, k, v, sinks, out, lse_body, lse_text, meta = ctx.saved_tensors
+    q, k, v, sinks, out, lse_body, lse_replicated, meta = ctx.saved_tensors
     dq, dk, dv, dsinks = _attention_backward_op(
-        dout.contiguous(), q, k, v, sinks, out, lse_body, lse_text, meta, *ctx.options
+        dout.contiguous(), q, k, v, sinks, out, lse_body, lse_replicated, meta, *ctx.options
     )
     return (dq, dk, dv, dsinks if sinks is not None else None, *([None] * len(ctx.options)))
 
@@ -216,16 +155,19 @@ def _attention_grad(ctx, dout, *_):
 _attention_op.register_autograd(_attention_grad, setup_context=_setup_attention)
 
 
+# --- seqpar::varlen_attention ------------------------------------------------------------------
+
+
 @torch.library.custom_op("seqpar::varlen_attention", mutates_args=())
 def _varlen_op(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], seq_lens: Tensor, handle: int, causal: bool,
+    q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], seq_lens: Tensor, handle: str, causal: bool,
     window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str,
 ) -> tuple[Tensor, Tensor]:
     call = prepare_varlen(
-        q, k, v, state_from_handle(handle), seq_lens, causal=causal, softmax_scale=scale, backend=backend,
+        q, k, v, _state(handle), seq_lens, causal=causal, softmax_scale=scale, backend=backend,
         window=tuple(window), softcap=softcap, sinks=sinks, chunk_size=chunk_size,
     )
-    out, lse = _hybrid_forward(call, call.qb, call.kb, call.vb, sinks, None, None)
+    out, lse, _ = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
     return out[0].contiguous(), lse
 
 
@@ -237,16 +179,14 @@ def _(q, k, v, sinks, seq_lens, handle, causal, window, chunk_size, softcap, sca
 @torch.library.custom_op("seqpar::varlen_attention_backward", mutates_args=())
 def _varlen_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], out: Tensor, lse: Tensor,
-    seq_lens: Tensor, handle: int, causal: bool, window: list[int], chunk_size: Optional[int], softcap: float,
+    seq_lens: Tensor, handle: str, causal: bool, window: list[int], chunk_size: Optional[int], softcap: float,
     scale: Optional[float], backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    call = prepare_varlen(
-        q, k, v, state_from_handle(handle), seq_lens, causal=causal, softmax_scale=scale, backend=backend,
-        window=tuple(window), softcap=softcap, sinks=sinks, chunk_size=chunk_size, known=True,
-    )
-    dq, dk, dv, dsinks, _, _ = _hybrid_backward(
-        call, dout[None], call.qb, call.kb, call.vb, sinks, None, None, out[None], lse
-    )
+    call = _rebuild(q[None], k[None], v[None], _state(handle), tuple(seq_lens.tolist()), None, causal, window,
+                    chunk_size, softcap, scale, backend)
+    empty = lse.new_empty((1, q.shape[1], 0))
+    dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], call.qb, call.kb, call.vb, sinks, out[None], lse,
+                                         empty)
     return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous(), (
         dsinks if dsinks is not None else q.new_zeros(0)
     )
@@ -279,34 +219,45 @@ _varlen_op.register_autograd(_varlen_grad, setup_context=_setup_varlen)
 
 
 def compiled_attention(
-    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, *, causal: bool, softmax_scale: float | None,
-    layout: str, backend: object, seq_len: int | None, window: tuple[int, int], softcap: float,
-    sinks: Tensor | None, chunk_size: int | None, replicated_prefix: int, replicated_suffix: int,
+    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, *, causal: object, softmax_scale: object,
+    layout: object, backend: object, seq_len: object, window: object, softcap: object,
+    sinks: Tensor | None, chunk_size: object, replicated_prefix: object, replicated_suffix: object,
 ) -> Tensor:
-    """:func:`seqpar.attention` as the ``seqpar::attention`` operator (Note [torch.compile])."""
-    if not isinstance(state, ParallelState):
-        raise ValueError(f"seqpar.attention: state must be a seqpar.ParallelState, got {type(state).__name__}")
+    """:func:`seqpar.attention` as the ``seqpar::attention`` operator (Note [torch.compile]).
+
+    Raises:
+        ValueError: as :func:`seqpar.attention`, for options before any conversion.
+    """
+    require_state(state, "seqpar.attention")
+    o = check_dense_options(
+        causal=causal, softmax_scale=softmax_scale, layout=layout, seq_len=seq_len, window=window, softcap=softcap,
+        chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+    )
     out, _, _, _ = _attention_op(
-        q, k, v, sinks, state.handle, layout, bool(causal), [int(w) for w in window], chunk_size, float(softcap),
-        None if softmax_scale is None else float(softmax_scale), seq_len, _backend_name(backend),
-        int(replicated_prefix), int(replicated_suffix),
+        q, k, v, sinks, str(state.handle), o.layout, o.causal, list(o.window), o.chunk_size, o.softcap,
+        o.softmax_scale, o.seq_len, backend_name(backend, "seqpar.attention"), o.prefix, o.suffix,
     )
     return out
 
 
 def compiled_varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, seq_lens: object, *, causal: bool,
-    softmax_scale: float | None, backend: object, window: tuple[int, int], softcap: float,
-    sinks: Tensor | None, chunk_size: int | None,
+    q: Tensor, k: Tensor, v: Tensor, state: ParallelState, seq_lens: object, *, causal: object,
+    softmax_scale: object, backend: object, window: object, softcap: object, sinks: Tensor | None,
+    chunk_size: object,
 ) -> Tensor:
-    """:func:`seqpar.varlen_attention` as the ``seqpar::varlen_attention`` operator."""
-    if not isinstance(state, ParallelState):
-        raise ValueError(
-            f"seqpar.varlen_attention: state must be a seqpar.ParallelState, got {type(state).__name__}"
-        )
-    lens = seq_lens if isinstance(seq_lens, Tensor) else torch.tensor(list(seq_lens), dtype=torch.long)
+    """:func:`seqpar.varlen_attention` as the ``seqpar::varlen_attention`` operator.
+
+    Raises:
+        ValueError: as :func:`seqpar.varlen_attention`, for options before any conversion.
+    """
+    where = "seqpar.varlen_attention"
+    require_state(state, where)
+    causal, window, chunk_size, softcap = check_mask_options(causal, window, chunk_size, softcap, where)
+    check_scale(softmax_scale, where)
+    lens = seq_lens if isinstance(seq_lens, Tensor) else torch.tensor(list(check_seq_lens(seq_lens, where)),
+                                                                       dtype=torch.long)
     out, _ = _varlen_op(
-        q, k, v, sinks, lens, state.handle, bool(causal), [int(w) for w in window], chunk_size, float(softcap),
-        None if softmax_scale is None else float(softmax_scale), _backend_name(backend),
+        q, k, v, sinks, lens, str(state.handle), causal, list(window), chunk_size, softcap,
+        None if softmax_scale is None else float(softmax_scale), backend_name(backend, where),
     )
     return out

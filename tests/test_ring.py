@@ -19,7 +19,7 @@ from seqpar.backends import get_backend
 from seqpar.backends.reference import reference_attention
 from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_plan, split_sizes
 from seqpar.placement.ring import BlockCall, tile_pairs
-from seqpar.parallel.ring import RingRun, ring_attention
+from seqpar.parallel.ring import RingSetup, ring_backward, ring_forward
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _TOL = {"float64": 1e-10, "float32": 1e-4}
@@ -232,10 +232,10 @@ def _trace_case(seq_len: int, mask: Mask) -> tuple:
     placement = Placement.dense(seq_len, state.ring_size, 1)
     plan = ring_plan(placement, state.ring_rank, mask.normalised(seq_len), varlen=False)
     trace: list = []
-    run = RingRun(state.ring_group, plan, get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace=trace)
-    local = [seqpar.shard(t, state).detach().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, run)
-    grads = torch.autograd.grad(out, local, seqpar.shard(dout, state))
+    run = RingSetup(state.ring_group, plan, get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace=trace)
+    local = [seqpar.shard(t, state) for t in (q, k, v)]
+    out, lse = ring_forward(*local, None, None, None, run)
+    grads = ring_backward(seqpar.shard(dout, state), *local, None, None, None, out, lse, run)[:3]
     errs = [(out - seqpar.shard(ref, state)).abs().max().item()]
     # Own K/V gradients are complete on their rank; dq is local.
     errs += [(g - seqpar.shard(r, state)).abs().max().item() for g, r in zip(grads, ref_grads)]

@@ -1,9 +1,12 @@
-"""Ulysses head placement and the all-to-all around an inner attention (seqpar.parallel.ulysses).
+"""Ulysses head placement and the all-to-all (seqpar.placement.heads, seqpar.parallel.ulysses).
 
-The inner attention here is plain float64 math (no ring, no backend), so these tests check the
-head/sequence redistribution on its own: uneven heads, GQA with Hkv < U, groups straddling ranks,
-the non-uniform local mapping that needs a local K/V expansion, ranks with no head, and a v head
-dim that differs from q's.
+Every case runs twice: through ``seqpar.attention`` on a Ulysses-only state (the path users take:
+the fused exchange of ``UlyssesSetup`` around the ring's kernels, the eager autograd function of
+``seqpar.attention``) and through the ``ulysses_attention`` building block around plain float64
+math (which shows the shapes the inner attention receives). Both against single-device float64:
+uneven heads, GQA with Hkv < U, groups straddling ranks, the non-uniform local mapping that needs
+a local K/V expansion, ranks with no head, and (building block only) a v head dim that differs
+from q's.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import seqpar
 from seqpar import ParallelState, shard
 from seqpar.placement import offsets, split_sizes
-from seqpar.parallel.ulysses import head_assignments, ulysses_attention
+from seqpar.parallel.ulysses import ulysses_attention
+from seqpar.placement import head_assignments
 
 
 def _math_attention(q, k, v, causal: bool = False, scale: float | None = None):
@@ -150,8 +155,25 @@ def _rank_ulysses(cases: list[dict]) -> list[tuple[str, float, list[tuple]]]:
             g = g.clone()
             dist.all_reduce(g)  # partial gradients sum to the exact one
             err = max(err, (g - rg).abs().max().item())
+        if Dv == D:  # the path users take (value head dim == head dim there)
+            err = max(err, _user_path_error(c, state, (q, k, v), dout, ref, ref_grads, gather_size))
         results.append((f"U={U} {c} gather_size={gather_size}", err, seen))
     return results
+
+
+def _user_path_error(c, state, full, dout, ref, ref_grads, seq_len) -> float:
+    """Max error of ``seqpar.attention`` (output and summed gradients) on the case's layout."""
+    perm = {"bshd": (0, 1, 2, 3), "sbhd": (1, 0, 2, 3), "bhsd": (0, 2, 1, 3)}[c["layout"]]
+    local = [shard(t.detach(), state, dim=1).permute(perm).requires_grad_() for t in full]
+    out = seqpar.attention(*local, state, causal=c["causal"], layout=c["layout"], seq_len=seq_len)
+    out_b = out.permute(perm)  # each permutation is its own inverse
+    err = (out_b - shard(ref, state, dim=1)).abs().max().item() if out.numel() else 0.0
+    grads = torch.autograd.grad(out_b, local, shard(dout, state, dim=1))
+    for g, rg in zip(grads, ref_grads):
+        g = g.permute(perm).contiguous()
+        full_g = seqpar.unshard(g, state, dim=1, size=c["S"])  # token shards: gather, no sum
+        err = max(err, (full_g - rg).abs().max().item())
+    return err
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -30,14 +30,14 @@ import torch
 from torch import Tensor
 
 from ..backends.base import KernelBackend, empty_forward
-from ..comm import Group, reduce_, refuse_double_backward
+from ..comm import Group, reduce_
 from .merge import accumulator_dtype, add_sinks, merge, sinks_grad
 
-__all__ = ["ReplicatedRun", "replicated_query_attention", "replicated_forward", "replicated_backward"]
+__all__ = ["ReplicatedSetup", "replicated_forward", "replicated_backward"]
 
 
 @dataclass(frozen=True, eq=False)
-class ReplicatedRun:
+class ReplicatedSetup:
     """The CP group, backend and scalar options of one call."""
 
     group: Group
@@ -46,13 +46,13 @@ class ReplicatedRun:
     softcap: float
 
 
-def _block(run: ReplicatedRun, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _block(run: ReplicatedSetup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if q.shape[1] == 0 or k.shape[1] == 0:
         return empty_forward(q, (q.shape[0], q.shape[2], q.shape[1]))
     return run.backend.kernel_forward(q, k, v, scale=run.scale, window=(-1, -1), softcap=run.softcap)
 
 
-def _block_backward(run: ReplicatedRun, dout, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
+def _block_backward(run: ReplicatedSetup, dout, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
     if q.shape[1] == 0 or k.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return run.backend.kernel_backward(
@@ -76,9 +76,21 @@ def _merge_over_group(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, T
 
 def replicated_forward(
     q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor, sinks: Tensor | None,
-    run: ReplicatedRun,
+    run: ReplicatedSetup,
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of :func:`replicated_query_attention` (no autograd); ``lse`` ``[B, H, P]``."""
+    """Attention of replicated queries over replicated keys and every rank's key shard (no
+    autograd; Note [Replicated tokens]); collective over ``run.group``.
+
+    Args:
+        q: ``(batch, P, nheads, headdim)``, the same on every rank.
+        k_rep, v_rep: ``(batch, P_k, nheads_kv, headdim)``, the same on every rank.
+        k_loc, v_loc: ``(batch, S_local, nheads_kv, headdim)``, this rank's shard of the others.
+        sinks: ``(nheads,)`` sink logits or None.
+
+    Returns:
+        ``out`` ``(batch, P, nheads, headdim)`` in q's dtype, the same on every rank, and ``lse``
+        ``(batch, nheads, P)`` in the accumulator dtype.
+    """
     out_t, lse_t = _block(run, q, k_rep, v_rep)  # the same on every rank
     out_l, lse_l = _block(run, q, k_loc, v_loc)  # this rank's image shard
     out_l, lse_l = _merge_over_group(out_l, lse_l, run.group)
@@ -90,7 +102,7 @@ def replicated_forward(
 
 def replicated_backward(
     dout: Tensor, q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor,
-    sinks: Tensor | None, out: Tensor, lse: Tensor, run: ReplicatedRun,
+    sinks: Tensor | None, out: Tensor, lse: Tensor, run: ReplicatedSetup,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients ``(dq, dk_rep, dv_rep, dk_loc, dv_loc, dsinks)`` from :func:`replicated_forward`'s
     ``out`` and ``lse``; ``dq``, ``dk_rep`` and ``dv_rep`` are this rank's partial shares."""
@@ -101,41 +113,3 @@ def replicated_backward(
     dq_l, dk_loc, dv_loc = _block_backward(run, whole, q, k_loc, v_loc, out, lse)
     dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
     return dq_t + dq_l, dk_rep, dv_rep, dk_loc, dv_loc, dsinks
-
-
-class _ReplicatedQueries(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k_rep, v_rep, k_loc, v_loc, sinks, run):
-        out, lse = replicated_forward(q, k_rep, v_rep, k_loc, v_loc, sinks, run)
-        ctx.save_for_backward(q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse)
-        ctx.run = run
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        refuse_double_backward("seqpar attention of replicated tokens")
-        q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse = ctx.saved_tensors
-        grads = replicated_backward(dout, q, k_rep, v_rep, k_loc, v_loc, sinks, out, lse, ctx.run)
-        # No gradient for run.
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
-
-
-def replicated_query_attention(
-    q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor, run: ReplicatedRun, *,
-    sinks: Tensor | None = None,
-) -> Tensor:
-    """Attention of replicated queries over replicated keys and every rank's key shard.
-
-    Trusted entry (see Note [Replicated tokens]); collective over ``run.group``.
-
-    Args:
-        q: ``(batch, P, nheads, headdim)``, the same on every rank.
-        k_rep, v_rep: ``(batch, P_k, nheads_kv, headdim)``, the same on every rank.
-        k_loc, v_loc: ``(batch, S_local, nheads_kv, headdim)``, this rank's shard of the others.
-        run: group, backend, scale, softcap.
-        sinks: ``(nheads,)`` sink logits or None.
-
-    Returns:
-        ``(batch, P, nheads, headdim)`` in q's dtype, the same on every rank.
-    """
-    return _ReplicatedQueries.apply(q, k_rep, v_rep, k_loc, v_loc, sinks, run)

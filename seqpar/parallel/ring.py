@@ -1,9 +1,9 @@
 """The ring driver: executes a :class:`~seqpar.placement.RingPlan`, forward and backward.
 
 Dense and packed attention both run here (packed buffers are a batch of one); *what* each step
-computes is the plan's (Note [Ring blocks]), *how* is this module's. Layers: ``_forward`` /
-``_backward`` (kernels, merging, transfers), ``_RingAttention`` (autograd), ``ring_attention``
-(the trusted entry the public functions call after validating their inputs).
+computes is the plan's (Note [Ring blocks]), *how* is this module's. ``ring_forward`` /
+``ring_backward`` are plain functions (kernels, merging, transfers; no autograd) on inputs the
+public entry points validated; ``seqpar.parallel.hybrid`` composes them with Ulysses.
 
 Note [Ring schedule]
 ~~~~~~~~~~~~~~~~~~~~
@@ -45,15 +45,15 @@ import torch
 from torch import Tensor
 
 from ..backends.base import KernelBackend, Packing
-from ..comm import Group, Workspace, post, refuse_double_backward
+from ..comm import Group, Workspace, post
 from ..placement.ring import BlockCall, RingPlan, SegmentCall, split_wide_blocks
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
-__all__ = ["RingRun", "ring_attention", "ring_forward", "ring_backward"]
+__all__ = ["RingSetup", "ring_forward", "ring_backward"]
 
 
 @dataclass(frozen=True, eq=False)
-class RingRun:
+class RingSetup:
     """Everything a ring call needs besides its tensors (built once per call by the caller).
 
     Attributes:
@@ -72,19 +72,19 @@ class RingRun:
     trace: list | None = None
 
 
-def _record(run: RingRun, event: str, step: int) -> None:
+def _record(run: RingSetup, event: str, step: int) -> None:
     if run.trace is not None:
         run.trace.append((event, step))
 
 
-def _buffer(run: RingRun, role: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
+def _buffer(run: RingSetup, role: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
     """A transfer buffer: a workspace buffer of ``role``, or a fresh tensor without a workspace."""
     if run.workspace is None:
         return torch.empty(shape, dtype=dtype, device=like.device)
     return run.workspace.get(role, shape, dtype, like.device)
 
 
-def _rows(run: RingRun, role: str, x: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor:
+def _rows(run: RingSetup, role: str, x: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor:
     """The rows ``ranges`` of ``x`` ``[B, L, ...]``, contiguous: a view when they already are one,
     else gathered into a transfer buffer."""
     if len(ranges) == 1:
@@ -114,7 +114,7 @@ def _packing(call: SegmentCall, backend: KernelBackend, device: torch.device, ca
     return packing
 
 
-def _call_forward(run: RingRun, call, q: Tensor, k: Tensor, v: Tensor, cache: dict):
+def _call_forward(run: RingSetup, call, q: Tensor, k: Tensor, v: Tensor, cache: dict):
     """``(query rows, out, lse)`` of one kernel call (rows ``None``: the whole buffer)."""
     b = run.backend
     if isinstance(call, BlockCall):
@@ -131,7 +131,7 @@ def _call_forward(run: RingRun, call, q: Tensor, k: Tensor, v: Tensor, cache: di
     return None, out[None], lse[None]
 
 
-def _call_backward(run: RingRun, call, dout, q, k, v, out, lse, cache: dict):
+def _call_backward(run: RingSetup, call, dout, q, k, v, out, lse, cache: dict):
     """``(query rows, key rows, dq, dk, dv)`` of one kernel call (rows ``None``: everything)."""
     b = run.backend
     if isinstance(call, BlockCall):
@@ -148,7 +148,7 @@ def _call_backward(run: RingRun, call, dout, q, k, v, out, lse, cache: dict):
     return None, None, g_q[None], g_k[None], g_v[None]
 
 
-def _call_backward_into(run: RingRun, call: SegmentCall, dout, q, k, v, out, lse, grads, cache: dict) -> None:
+def _call_backward_into(run: RingSetup, call: SegmentCall, dout, q, k, v, out, lse, grads, cache: dict) -> None:
     """Add one varlen call's gradients into ``grads = (dq, dk, dv)`` (``[1, L, ...]`` each)."""
     run.backend.kernel_varlen_backward_into(
         tuple(g[0] for g in grads), dout[0], q[0], k[0], v[0], out[0], lse[0],
@@ -184,7 +184,7 @@ class _Accumulator:
         return self.value
 
 
-def _post_kv(run: RingRun, step, k: Tensor, v: Tensor, slot: int):
+def _post_kv(run: RingSetup, step, k: Tensor, v: Tensor, slot: int):
     """Post step ``step``'s K/V transfers; return ``(pending, k_buffer, v_buffer)``."""
     sends = []
     if step.send_rows:
@@ -204,7 +204,7 @@ def _post_kv(run: RingRun, step, k: Tensor, v: Tensor, slot: int):
 
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, run: RingRun,
+    extra_v: Tensor | None, run: RingSetup,
 ) -> tuple[Tensor, Tensor]:
     """Ring attention forward on ring-local buffers (see Note [Ring schedule]); no autograd.
 
@@ -267,7 +267,7 @@ def ring_forward(
 
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingRun,
+    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup,
 ) -> tuple[Tensor | None, ...]:
     """Ring attention backward (see Note [Ring schedule]); no autograd.
 
@@ -391,7 +391,7 @@ def ring_backward(
     return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), dsinks, dek, dev
 
 
-def _single_block(run: RingRun, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
+def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
     """Whether the whole call is one kernel call on the whole buffers (no ring, no extra keys)."""
     steps = run.plan.steps
     if len(steps) != 1 or extra_k is not None or len(steps[0].calls) != 1:
@@ -404,43 +404,3 @@ def _disjoint_keys(calls) -> bool:
     """Whether the block calls read disjoint key rows (each key's gradient comes from one call)."""
     spans = sorted((c.k0, c.k1) for c in calls)
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, extra_k, extra_v, run):
-        out, lse = ring_forward(q, k, v, sinks, extra_k, extra_v, run)
-        ctx.save_for_backward(q, k, v, sinks, extra_k, extra_v, out, lse)
-        ctx.run = run
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        refuse_double_backward("seqpar ring attention")
-        q, k, v, sinks, extra_k, extra_v, out, lse = ctx.saved_tensors
-        grads = ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, ctx.run)
-        # No gradient for run.
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
-
-
-def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, run: RingRun, *, sinks: Tensor | None = None,
-    extra_k: Tensor | None = None, extra_v: Tensor | None = None,
-) -> Tensor:
-    """Exact attention of ring-local queries over every ring rank's K/V, following ``run.plan``.
-
-    Trusted entry point: the caller validated the tensors against the plan (``seqpar.attention``
-    and ``seqpar.varlen_attention`` do). Collective over ``run.group``.
-
-    Args:
-        q: ``(batch, L, nheads, headdim)``, this ring rank's ring-local queries (packed: batch 1).
-        k, v: ``(batch, L, nheads_kv, headdim)``.
-        run: the group, plan, backend and scalar options.
-        sinks: ``(nheads,)`` sink logits, or None.
-        extra_k, extra_v: ``(batch, P, nheads_kv, headdim)`` keys every query also attends
-            (replicated tokens), or None.
-
-    Returns:
-        ``(batch, L, nheads, headdim)`` in q's dtype; differentiable w.r.t. every tensor input.
-    """
-    return _RingAttention.apply(q, k, v, sinks, extra_k, extra_v, run)

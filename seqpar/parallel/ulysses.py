@@ -2,9 +2,10 @@
 
 Head placement: Note [Ulysses head placement] in ``seqpar/placement/heads.py``.
 
-q, k and v travel in one fused all-to-all. When v's head dim differs from q's, the head and
-head-dim axes are flattened so the three still share every dim but the scattered one (a copy
-only when those two axes are not adjacent in memory).
+q, k and v travel in one fused all-to-all (:class:`UlyssesSetup`, the one description of an
+exchange: who sends which heads and tokens). ``ulysses_ring_forward`` / ``ulysses_ring_backward``
+are the plain functions ``seqpar.attention`` runs (through ``seqpar.parallel.hybrid``);
+:func:`ulysses_attention` is the same exchange around any differentiable attention.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ from ..comm import (
     fused_all_to_all_backward,
     group_rank,
     group_size,
-    refuse_double_backward,
 )
 from ..placement.heads import HeadAssignment, all_heads, cached_head_assignments, head_assignments
 from ..placement.sizes import offsets, split_sizes
 from .merge import accumulator_dtype
-from .ring import RingRun, ring_attention, ring_backward, ring_forward
+from .ring import RingSetup, ring_backward, ring_forward
 
+# head_assignments / HeadAssignment live in seqpar.placement.heads; re-exported under their old path.
 __all__ = [
-    "HeadAssignment", "head_assignments", "ulysses_attention", "InnerAttention", "UlyssesSpec",
-    "ulysses_ring_attention", "ulysses_ring_forward", "ulysses_ring_backward",
+    "ulysses_attention", "InnerAttention", "UlyssesSetup", "ulysses_ring_forward", "ulysses_ring_backward",
+    "HeadAssignment", "head_assignments",
 ]
 
 
@@ -44,142 +45,8 @@ InnerAttention = Callable[[Tensor, Tensor, Tensor, HeadAssignment], Tensor]
 with ``H_u % Hkv_u == 0`` and this rank's :class:`HeadAssignment`; returns ``[B, S, H_u, Dv]``."""
 
 
-def _exchange_qkv(
-    q: Tensor, k: Tensor, v: Tensor, group: Group, plan: list[HeadAssignment], gather_sizes: list[int]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One fused all-to-all: heads scattered per ``plan``, tokens gathered."""
-    q_ranges = [(a.q_start, a.q_len) for a in plan]
-    kv_ranges = [(a.kv_start, a.kv_len) for a in plan]
-    if v.shape[-1] == q.shape[-1]:
-        q_u, k_u, v_u = all_to_all_many(
-            [q, k, v], group, scatter_dim=2, gather_dim=1, gather_size=gather_sizes,
-            scatter_ranges=[q_ranges, kv_ranges, kv_ranges],
-        )
-        return q_u, k_u, v_u
-    # v's head dim differs: scatter over the flattened (heads, head_dim) axis instead.
-    D, Dv = q.shape[-1], v.shape[-1]
-
-    def scale(ranges: list[tuple[int, int]], d: int) -> list[tuple[int, int]]:
-        return [(a * d, n * d) for a, n in ranges]
-
-    q_u, k_u, v_u = all_to_all_many(
-        [q.flatten(2), k.flatten(2), v.flatten(2)], group, scatter_dim=2, gather_dim=1,
-        gather_size=gather_sizes, scatter_ranges=[scale(q_ranges, D), scale(kv_ranges, D), scale(kv_ranges, Dv)],
-    )
-    return q_u.unflatten(2, (-1, D)), k_u.unflatten(2, (-1, D)), v_u.unflatten(2, (-1, Dv))
-
-
-def run_ulysses(
-    q: Tensor, k: Tensor, v: Tensor, group: Group, inner: InnerAttention, token_sizes: Sequence[int]
-) -> Tensor:
-    """Trusted Ulysses (inputs validated by the caller): see :func:`ulysses_attention`.
-
-    Args:
-        token_sizes: every rank's local token count, in group rank order.
-    """
-    n = group_size(group)
-    if n == 1:
-        return inner(q, k, v, all_heads(q.shape[2], k.shape[2]))
-    plan = head_assignments(q.shape[2], k.shape[2], n)
-    mine = plan[group_rank(group)]
-    token_sizes = list(token_sizes)
-    q_u, k_u, v_u = _exchange_qkv(q, k, v, group, plan, token_sizes)
-    if mine.q_len == 0:
-        # No heads here: keep every received tensor in the graph so this rank's backward joins
-        # the reverse all-to-all like the others.
-        out = v_u + 0 * (q_u.sum() + k_u.sum())
-    else:
-        if mine.kv_index is not None:
-            index = torch.tensor(mine.kv_index, dtype=torch.long, device=k_u.device)
-            k_u, v_u = k_u.index_select(2, index), v_u.index_select(2, index)
-        out = inner(q_u, k_u, v_u, mine)
-    ranges = list(zip(offsets(token_sizes)[:-1], token_sizes))
-    return all_to_all_many([out], group, scatter_dim=1, gather_dim=2, gather_size=q.shape[2], scatter_ranges=[ranges])[0]
-
-
-def _check_inputs(q: object, k: object, v: object) -> None:
-    where = "ulysses_attention"
-    check_qkv(q, k, v, ndim=4, shape_doc="[B, S_local, heads, head_dim]", where=where)
-    B, S, H, D = q.shape
-    if k.shape[:2] != (B, S) or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
-        raise ValueError(
-            f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
-            "[B, S, H, D], [B, S, Hkv, D], [B, S, Hkv, Dv]"
-        )
-    check_gqa(H, k.shape[2], where)
-
-
-def ulysses_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    group: Group,
-    inner: InnerAttention,
-    *,
-    gather_size: int | None = None,
-) -> Tensor:
-    """Attention over the group's whole sequence, computed per head shard (Ulysses).
-
-    Every rank holds a contiguous piece of one sequence (rank ``i`` holds piece ``i`` of
-    ``split_sizes(S, U)``, or any sizes with ``gather_size=None``). The heads are redistributed
-    per Note [Ulysses head placement] with one fused all-to-all, ``inner`` runs on all ``S``
-    tokens of this rank's heads, and a second all-to-all returns the output to the token shards.
-    Differentiable; with ``U == 1`` it is ``inner(q, k, v, all heads)``.
-
-    Args:
-        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's tokens of every head.
-        k: ``(batch, seqlen_local, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``.
-        v: ``(batch, seqlen_local, nheads_kv, headdim_v)``.
-        group: the Ulysses process group (``U`` ranks).
-        inner: attention on the gathered sequence, see :data:`InnerAttention`; it is called
-            with ``(batch, S, H_u, headdim)`` queries, a uniform GQA ratio and this rank's
-            :class:`HeadAssignment`, and not at all on a rank with no query head (``H < U``) --
-            all ranks sharing a Ulysses rank index skip it together, so an inner ring over them
-            stays in step.
-        gather_size: ``S``, the total tokens over the group; rank ``i`` must then hold
-            ``split_sizes(S, U)[i]``. ``None`` exchanges the lengths (one small collective).
-
-    Returns:
-        ``(batch, seqlen_local, nheads, headdim_v)`` in q's dtype; a strided view of the
-        all-to-all's receive buffer (see Note [All-to-all layout]), so use ``reshape`` rather
-        than ``view`` to merge its head dims.
-
-    Raises:
-        ValueError: non-tensors, shapes that are not ``[B, S, H, D] / [B, S, Hkv, D] /
-            [B, S, Hkv, Dv]``, ``H % Hkv != 0``, a bad group, or a local length that disagrees
-            with ``gather_size``.
-    """
-    _check_inputs(q, k, v)
-    check_group(group, "ulysses_attention")
-    n, me = group_size(group), group_rank(group)
-    if gather_size is None:
-        sizes = [row[0] for row in exchange_ints([q.shape[1]], group, q.device)] if n > 1 else [q.shape[1]]
-    else:
-        sizes = split_sizes(gather_size, n)
-        if sizes[me] != q.shape[1]:
-            raise ValueError(
-                f"ulysses_attention: gather_size={gather_size} over {n} ranks gives rank {me} "
-                f"{sizes[me]} tokens (split {sizes}), but q has {q.shape[1]}"
-            )
-    return run_ulysses(q, k, v, group, inner, sizes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Ulysses around the ring as one autograd function (the path seqpar.attention takes).
-#
-# Note [Ulysses memory]
-# ~~~~~~~~~~~~~~~~~~~~~
-# Composing the two all-to-alls and the ring with autograd saves the head-sharded q, k, v and
-# output of every layer for its backward: 2.5 extra copies of a layer's activations (H == Hkv)
-# kept alive until that layer's backward. Here only the token shard's q, k, v (the inputs, alive
-# anyway), its output and the ring's LSE are saved; the backward repeats the all-to-all of q, k, v
-# together with out and dout (one fused collective) into workspace buffers, runs the ring's
-# backward and sends the gradients back. Backward traffic grows from (dout + grads) to (q, k, v,
-# out, dout + grads); saved activations shrink to what a single device keeps.
-
-
 @dataclass(frozen=True, eq=False)
-class UlyssesSpec:
+class UlyssesSetup:
     """The Ulysses half of a call: group, every rank's token count and head assignment."""
 
     group: Group
@@ -189,9 +56,11 @@ class UlyssesSpec:
     workspace: Workspace | None
 
     @staticmethod
-    def build(group: Group, token_sizes, num_heads: int, num_kv_heads: int, workspace) -> UlyssesSpec:
+    def build(
+        group: Group, token_sizes: Sequence[int], num_heads: int, num_kv_heads: int, workspace: Workspace | None
+    ) -> UlyssesSetup:
         n = group_size(group)
-        return UlyssesSpec(
+        return UlyssesSetup(
             group, tuple(token_sizes), cached_head_assignments(num_heads, num_kv_heads, n), group_rank(group),
             workspace,
         )
@@ -201,9 +70,14 @@ class UlyssesSpec:
         return self.heads[self.rank]
 
     def head_ranges(self, kind: str) -> list[tuple[int, int]]:
+        """``(start, count)`` of the query (``kind="q"``) or K/V heads every rank receives."""
         if kind == "q":
             return [(a.q_start, a.q_len) for a in self.heads]
         return [(a.kv_start, a.kv_len) for a in self.heads]
+
+    def token_ranges(self) -> list[tuple[int, int]]:
+        """``(start, count)`` of every rank's tokens in the gathered sequence."""
+        return list(zip(offsets(self.token_sizes)[:-1], self.token_sizes))
 
     def to_heads(self, xs: list[Tensor], kinds: str, role: str) -> list[Tensor]:
         """Token shards with all heads -> all tokens of this rank's heads (workspace buffers)."""
@@ -218,8 +92,7 @@ class UlyssesSpec:
         ``xs`` holds the one input; it is emptied once staged, so the caller's last reference
         can go before the output is allocated.
         """
-        ranges = [list(zip(offsets(self.token_sizes)[:-1], self.token_sizes))]
-        return fused_all_to_all(xs, self.group, 1, 2, ranges, split_sizes(num_heads, len(self.heads)),
+        return fused_all_to_all(xs, self.group, 1, 2, [self.token_ranges()], split_sizes(num_heads, len(self.heads)),
                                 workspace=self.workspace, release_inputs=True)[0]
 
     def grads_to_tokens(self, grads: list[Tensor], shapes: list[torch.Size], kinds: str) -> list[Tensor]:
@@ -237,6 +110,106 @@ def _expand(heads: HeadAssignment, x: Tensor) -> Tensor:
     if heads.kv_index is None:
         return x
     return x.index_select(2, torch.tensor(heads.kv_index, dtype=torch.long, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# A building block: Ulysses around any differentiable attention (autograd through the exchange).
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Group,
+    inner: InnerAttention,
+    *,
+    gather_size: int | None = None,
+) -> Tensor:
+    """Attention over the group's whole sequence, computed per head shard (Ulysses).
+
+    Every rank holds a contiguous piece of one sequence (rank ``i`` holds piece ``i`` of
+    ``split_sizes(S, U)``, or any sizes with ``gather_size=None``). The heads are redistributed
+    per Note [Ulysses head placement] (``seqpar/placement/heads.py``) with one all-to-all of q, k
+    and v, ``inner`` runs on all ``S`` tokens of this rank's heads, and a second all-to-all returns
+    the output to the token shards. The exchanges follow the same :class:`UlyssesSetup` as
+    ``seqpar.attention``; autograd runs through them and through ``inner``. With ``U == 1`` it is
+    ``inner(q, k, v, all heads)``.
+
+    Args:
+        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's tokens of every head.
+        k: ``(batch, seqlen_local, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``.
+        v: ``(batch, seqlen_local, nheads_kv, headdim_v)``.
+        group: the Ulysses process group (``U`` ranks).
+        inner: attention on the gathered sequence, see :data:`InnerAttention`; it is called
+            with ``(batch, S, H_u, headdim)`` queries, a uniform GQA ratio and this rank's
+            :class:`HeadAssignment`, and not at all on a rank with no query head (``H < U``).
+        gather_size: ``S``, the total tokens over the group; rank ``i`` must then hold
+            ``split_sizes(S, U)[i]``. ``None`` exchanges the lengths (one small collective).
+
+    Returns:
+        ``(batch, seqlen_local, nheads, headdim_v)`` in q's dtype; a strided view of the
+        all-to-all's receive buffer, so use ``reshape`` rather than ``view`` to merge head dims.
+
+    Raises:
+        ValueError: non-tensors, shapes that are not ``[B, S, H, D] / [B, S, Hkv, D] /
+            [B, S, Hkv, Dv]``, ``H % Hkv != 0``, a bad group, or a local length that disagrees
+            with ``gather_size``.
+    """
+    where = "ulysses_attention"
+    check_qkv(q, k, v, ndim=4, shape_doc="[B, S_local, heads, head_dim]", where=where)
+    B, S, H, D = q.shape
+    if k.shape[:2] != (B, S) or v.shape[:3] != k.shape[:3] or k.shape[3] != D:
+        raise ValueError(
+            f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
+            "[B, S, H, D], [B, S, Hkv, D], [B, S, Hkv, Dv]"
+        )
+    check_gqa(H, k.shape[2], where)
+    check_group(group, where)
+    n, me = group_size(group), group_rank(group)
+    if n == 1:
+        return inner(q, k, v, all_heads(H, k.shape[2]))
+    if gather_size is None:
+        sizes = [row[0] for row in exchange_ints([S], group, q.device)]
+    else:
+        sizes = split_sizes(gather_size, n)
+        if sizes[me] != S:
+            raise ValueError(
+                f"{where}: gather_size={gather_size} over {n} ranks gives rank {me} "
+                f"{sizes[me]} tokens (split {sizes}), but q has {S}"
+            )
+    setup = UlyssesSetup.build(group, sizes, H, k.shape[2], None)
+    mine = setup.mine
+    # One all-to-all of q, k, v; when v's head dim differs, over the flattened (heads, head_dim)
+    # axis so that the three share every dim but the scattered one.
+    dims = (D, D, v.shape[-1])
+    ranges = [[(a * d, c * d) for a, c in setup.head_ranges(kind)] for kind, d in zip("qkk", dims)]
+    q_u, k_u, v_u = (
+        x.unflatten(2, (-1, d))
+        for x, d in zip(all_to_all_many([t.flatten(2) for t in (q, k, v)], group, scatter_dim=2, gather_dim=1,
+                                        gather_size=sizes, scatter_ranges=ranges), dims)
+    )
+    if mine.q_len == 0:
+        # No heads here: keep every received tensor in the graph so this rank's backward joins
+        # the reverse all-to-all like the others.
+        out = v_u + 0 * (q_u.sum() + k_u.sum())
+    else:
+        out = inner(q_u, _expand(mine, k_u), _expand(mine, v_u), mine)
+    return all_to_all_many([out], group, scatter_dim=1, gather_dim=2, gather_size=H,
+                           scatter_ranges=[setup.token_ranges()])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses around the ring (the path seqpar.attention takes; seqpar.parallel.hybrid composes it).
+#
+# Note [Ulysses memory]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Composing the two all-to-alls and the ring with autograd saves the head-sharded q, k, v and
+# output of every layer for its backward: 2.5 extra copies of a layer's activations (H == Hkv)
+# kept alive until that layer's backward. Here only the token shard's q, k, v (the inputs, alive
+# anyway), its output and the ring's LSE are saved; the backward repeats the all-to-all of q, k, v
+# together with out and dout (one fused collective) into workspace buffers, runs the ring's
+# backward and sends the gradients back. Backward traffic grows from (dout + grads) to (q, k, v,
+# out, dout + grads); saved activations shrink to what a single device keeps.
 
 
 def _unexpand(heads: HeadAssignment, grad: Tensor) -> Tensor:
@@ -264,10 +237,21 @@ def _place(heads: HeadAssignment, grad: Tensor | None, like: Tensor | None, kind
 
 def ulysses_ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
-    spec: UlyssesSpec, run: RingRun,
+    spec: UlyssesSetup, run: RingSetup,
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse_u)`` of :func:`ulysses_ring_attention` (no autograd): ``out`` the token shard,
-    ``lse_u`` ``[B, H_mine, L]`` over this rank's heads and the ring-local tokens."""
+    """Ulysses around the ring (no autograd; Note [Ulysses memory]).
+
+    Args:
+        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's token shard.
+        k, v: ``(batch, seqlen_local, nheads_kv, headdim)``.
+        sinks: ``(nheads,)`` or None; extra_k, extra_v: ``(batch, P, nheads_kv, headdim)``
+            replicated keys every query also attends, or None.
+        spec: the Ulysses group and layout; run: the ring over this rank's heads.
+
+    Returns:
+        ``out`` ``(batch, seqlen_local, nheads, headdim)``, the token shard, and ``lse_u``
+        ``(batch, H_mine, L)`` over this rank's heads and the ring-local tokens.
+    """
     mine = spec.mine
     q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
     if mine.q_len:
@@ -288,7 +272,7 @@ def ulysses_ring_forward(
 
 def ulysses_ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse_u: Tensor, spec: UlyssesSpec, run: RingRun,
+    extra_v: Tensor | None, out: Tensor, lse_u: Tensor, spec: UlyssesSetup, run: RingSetup,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``."""
@@ -305,46 +289,12 @@ def ulysses_ring_backward(
         dk_u, dv_u = _unexpand(mine, dk_u), _unexpand(mine, dv_u)
         dsinks = _place(mine, ds, sinks, "q", 0)
         dek, dev = _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2)
-    else:
+    else:  # no head here: zero shares, so every rank returns the same gradients (sum over CP)
         dq_u, dk_u, dv_u = torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u)
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
+        dek = None if extra_k is None else torch.zeros_like(extra_k)
+        dev = None if extra_v is None else torch.zeros_like(extra_v)
     staged = [dq_u, dk_u, dv_u]
     del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
     dq, dk, dv = spec.grads_to_tokens(staged, [q.shape, k.shape, v.shape], "qkk")
     return dq, dk, dv, dsinks, dek, dev
-
-
-class _UlyssesRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, extra_k, extra_v, spec, run):
-        out, lse_u = ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, spec, run)
-        ctx.save_for_backward(q, k, v, out, lse_u, sinks, extra_k, extra_v)
-        ctx.spec, ctx.run = spec, run
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        refuse_double_backward("seqpar attention")
-        q, k, v, out, lse_u, sinks, extra_k, extra_v = ctx.saved_tensors
-        grads = ulysses_ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse_u, ctx.spec, ctx.run)
-        # No gradient for spec, run.
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
-
-
-def ulysses_ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: UlyssesSpec, run: RingRun, *, sinks: Tensor | None = None,
-    extra_k: Tensor | None = None, extra_v: Tensor | None = None,
-) -> Tensor:
-    """Ulysses around the ring (Note [Ulysses memory]); trusted entry, validated by the caller.
-
-    Args:
-        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's token shard.
-        k, v: ``(batch, seqlen_local, nheads_kv, headdim)``.
-        spec: the Ulysses group and layout; run: the ring of this rank's heads.
-        sinks: ``(nheads,)``; extra_k, extra_v: ``(batch, P, nheads_kv, headdim)`` replicated keys.
-
-    Returns:
-        ``(batch, seqlen_local, nheads, headdim)`` in q's dtype.
-    """
-    if group_size(spec.group) == 1:
-        return ring_attention(q, k, v, run, sinks=sinks, extra_k=extra_k, extra_v=extra_v)
-    return _UlyssesRing.apply(q, k, v, sinks, extra_k, extra_v, spec, run)

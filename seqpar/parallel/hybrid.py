@@ -1,0 +1,138 @@
+"""The composition of one attention call, written once for eager and compiled code.
+
+Note [Hybrid composition]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Every ``seqpar.attention`` / ``seqpar.varlen_attention`` call runs :func:`hybrid_forward` and
+:func:`hybrid_backward`, plain functions without autograd: the eager autograd function in
+``seqpar.attention`` and the custom operators of ``seqpar.compiled`` both call them, so a change
+here reaches both paths::
+
+    this rank's shard [B, S_local, H, D]             (replicated rows split off first, if any)
+      -> Ulysses all-to-all over the Ulysses group    [B, S_ring_local, H_u, D]    (U > 1)
+      -> the ring plan over the ring group            kernels per block, fp32 LSE merge
+      -> Ulysses all-to-all back                      [B, S_local, H, D]           (U > 1)
+    replicated rows (joint text tokens): attend the replicated keys and every rank's shard,
+    merged over the CP group (Note [Replicated tokens]); the shard's rows see the replicated
+    keys as local extra keys of the ring.
+
+Packed sequences are the same composition on a batch of one. What each piece needs besides its
+tensors is a *setup* (:class:`~seqpar.parallel.ring.RingSetup`,
+:class:`~seqpar.parallel.ulysses.UlyssesSetup`,
+:class:`~seqpar.parallel.replicated.ReplicatedSetup`), built once per call by
+``seqpar.prepare``; :class:`HybridSetup` bundles them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .merge import accumulator_dtype
+from .replicated import ReplicatedSetup, replicated_backward, replicated_forward
+from .ring import RingSetup, ring_backward, ring_forward
+from .ulysses import UlyssesSetup, ulysses_ring_backward, ulysses_ring_forward
+
+__all__ = ["HybridSetup", "hybrid_forward", "hybrid_backward"]
+
+
+@dataclass(frozen=True, eq=False)
+class HybridSetup:
+    """Everything one call's composition needs besides its tensors.
+
+    Attributes:
+        ring: the ring over this rank's (head-sharded) tokens.
+        ulysses: the Ulysses exchange, or None when ``ulysses_size == 1``.
+        replicated: the merge of replicated queries over the CP group, or None without them.
+        prefix, suffix: replicated rows before / after the shard's rows.
+    """
+
+    ring: RingSetup
+    ulysses: UlyssesSetup | None
+    replicated: ReplicatedSetup | None
+    prefix: int = 0
+    suffix: int = 0
+
+
+def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple[Tensor, Tensor]:
+    if setup.ulysses is None:
+        return ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ring)
+    return ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ulysses, setup.ring)
+
+
+def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse):
+    if setup.ulysses is None:
+        return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
+    return ulysses_ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring)
+
+
+def _replicated_rows(x: Tensor, prefix: int, suffix: int) -> Tensor:
+    """The replicated rows of a bshd tensor: the first ``prefix`` and last ``suffix``."""
+    return torch.cat([x[:, :prefix], x[:, x.shape[1] - suffix:]], 1)
+
+
+def _with_replicated(rows: Tensor, body: Tensor, prefix: int) -> Tensor:
+    """Replicated rows (prefix then suffix) around the shard's rows, along dim 1."""
+    return torch.cat([rows[:, :prefix], body, rows[:, prefix:]], 1)
+
+
+def hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, ...]:
+    """One call's forward (Note [Hybrid composition]); no autograd.
+
+    Args:
+        q: ``(batch, S_local, nheads, headdim)``: ``prefix`` replicated rows, the shard's rows,
+            ``suffix`` replicated rows (packed: batch 1).
+        k, v: ``(batch, S_local, nheads_kv, headdim)``, the same rows.
+        sinks: ``(nheads,)`` sink logits or None.
+
+    Returns:
+        ``(out, lse_body, lse_replicated)``: ``out`` ``(batch, S_local, nheads, headdim)`` in q's
+        dtype; ``lse_body`` the shard's log-sum-exp (``(batch, H_mine, S_ring_local)`` under
+        Ulysses, ``(batch, nheads, S_local)`` without), ``lse_replicated`` ``(batch, nheads,
+        prefix + suffix)``, both in the accumulator dtype; the three are what
+        :func:`hybrid_backward` needs besides the inputs.
+    """
+    p, s = setup.prefix, setup.suffix
+    if setup.replicated is None:
+        out, lse = _body_forward(setup, q, k, v, sinks, None, None)
+        return out, lse, q.new_empty((q.shape[0], q.shape[2], 0), dtype=accumulator_dtype(q.dtype))
+    rows = slice(p, q.shape[1] - s)
+    q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
+    out_body, lse_body = _body_forward(setup, q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r)
+    out_r, lse_r = replicated_forward(q_r, k_r, v_r, k[:, rows], v[:, rows], sinks, setup.replicated)
+    return _with_replicated(out_r, out_body.to(out_r.dtype), p), lse_body, lse_r
+
+
+def hybrid_backward(
+    setup: HybridSetup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, out: Tensor,
+    lse_body: Tensor, lse_replicated: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One call's backward from :func:`hybrid_forward`'s results; no autograd.
+
+    Returns:
+        ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
+        Gradients of replicated rows and of ``sinks`` are this rank's partial shares (their sum
+        over the CP group is the true gradient); every rank returns a tensor for each, also a
+        rank that holds no query head (``H < ulysses_size``).
+    """
+    p, s = setup.prefix, setup.suffix
+    if setup.replicated is None:
+        dq, dk, dv, dsinks, _, _ = _body_backward(setup, dout, q, k, v, sinks, None, None, out, lse_body)
+        return dq, dk, dv, dsinks
+    rows = slice(p, q.shape[1] - s)
+    q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
+    dq_b, dk_b, dv_b, ds_b, dk_rb, dv_rb = _body_backward(
+        setup, dout[:, rows], q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r, out[:, rows], lse_body
+    )
+    dq_r, dk_r, dv_r, dk_br, dv_br, ds_r = replicated_backward(
+        _replicated_rows(dout, p, s), q_r, k_r, v_r, k[:, rows], v[:, rows], sinks, _replicated_rows(out, p, s),
+        lse_replicated, setup.replicated,
+    )
+    dsinks = None if sinks is None else ds_b + ds_r
+    return (
+        _with_replicated(dq_r, dq_b, p),
+        _with_replicated(dk_r + dk_rb, dk_b + dk_br, p),
+        _with_replicated(dv_r + dv_rb, dv_b + dv_br, p),
+        dsinks,
+    )
