@@ -58,14 +58,16 @@ def check_mask_options(
     """Validate ``causal``, ``window``, ``chunk_size`` and ``softcap``; return them normalised.
 
     Raises:
-        ValueError: a non-bool ``causal`` (numpy bools count as bools); a window that is not two ints >= -1 or that asks for
+        ValueError: a non-bool ``causal`` (numpy bools too); a window that is not two ints >= -1 or that asks for
             keys after the query with ``causal=True``; a non-positive ``chunk_size``; a negative
             or non-finite ``softcap``.
     """
-    if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool", "bool_"):
-        causal = bool(causal)  # numpy's bool scalar, as from a config array: the same in eager and compiled calls
     if not isinstance(causal, bool):
-        raise ValueError(f"{where}: causal must be True or False, got {causal!r}")
+        # Named by type for anything but plain values: under torch.compile a numpy bool is traced
+        # as a tensor, whose repr cannot be taken; eager and compiled calls raise the same way.
+        shown = (repr(causal) if isinstance(causal, (str, int, float, type(None)))
+                 else f"{type(causal).__module__}.{type(causal).__name__}")
+        raise ValueError(f"{where}: causal must be True or False, got {shown}")
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
@@ -87,7 +89,7 @@ def check_mask_options(
     if (
         isinstance(softcap, bool)
         or not isinstance(softcap, numbers.Real)
-        or not math.isfinite(softcap)
+        or not -math.inf < softcap < math.inf  # finite (NaN fails too); no math.isfinite: traceable
         or softcap < 0
     ):
         raise ValueError(f"{where}: softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
@@ -99,7 +101,7 @@ def check_scale(softmax_scale: object, where: str) -> None:
     if softmax_scale is not None and (
         isinstance(softmax_scale, bool)
         or not isinstance(softmax_scale, numbers.Real)
-        or not math.isfinite(softmax_scale)
+        or not -math.inf < softmax_scale < math.inf
     ):
         raise ValueError(
             f"{where}: softmax_scale must be a finite float or None (D ** -0.5), got {softmax_scale!r}"

@@ -20,9 +20,9 @@ disabled") and keeps host-side plans. So while compiling (``torch.compiler.is_co
   those residuals (``seqpar.prepare.build_call``: no check, no collective) and runs
   ``hybrid_backward``. Eager and compiled calls run the same kernels in the same order.
 
-The ``ParallelState`` reaches the operators as its ``handle`` (a registry of live states in
-``seqpar.state``) written as a string, so that the compiler treats it as a constant rather than a
-symbolic integer (several states, ``dynamic=True``); backends travel as their names. The compiled graph is specialised on the handle and
+The ``ParallelState`` reaches the operators as its ``handle`` (a string naming it in a registry of
+live states in ``seqpar.state``: the compiler keeps a string constant, where an int would become
+a symbolic int with several states or ``dynamic=True``); backends travel as their names. The compiled graph is specialised on the handle and
 every option: another state, other options or (for packed batches given as a list) other
 ``seq_lens`` recompile; pass ``seq_lens`` as a tensor to avoid that. Outputs are contiguous in
 the caller's layout. Double backward is not supported (as in eager).
@@ -53,10 +53,6 @@ from .prepare import (
 from .state import ParallelState, require_state, state_from_handle
 
 __all__ = ["compiled_attention", "compiled_varlen_attention"]
-
-
-def _state(handle: str) -> ParallelState:
-    return state_from_handle(int(handle))
 
 
 def _lse_fake(like: Tensor) -> Tensor:
@@ -99,7 +95,7 @@ def _attention_op(
         causal=causal, softmax_scale=scale, layout=layout, seq_len=seq_len, window=tuple(window), softcap=softcap,
         chunk_size=chunk_size, replicated_prefix=prefix, replicated_suffix=suffix,
     )
-    call = prepare_dense(q, k, v, _state(handle), options, backend, sinks)
+    call = prepare_dense(q, k, v, state_from_handle(handle), options, backend, sinks)
     out, lse_body, lse_replicated = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
     return to_bshd(out, layout).contiguous(), lse_body, lse_replicated, _meta(call)
 
@@ -108,7 +104,7 @@ def _attention_op(
 def _(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend, prefix, suffix):
     B, H = to_bshd(q, layout).shape[0], to_bshd(q, layout).shape[2]
     lse_replicated = q.new_empty((B, H, prefix + suffix), dtype=accumulator_dtype(q.dtype))
-    meta = torch.empty(2 + _state(handle).cp_size, dtype=torch.long, device="cpu")
+    meta = torch.empty(2 + state_from_handle(handle).cp_size, dtype=torch.long, device="cpu")
     return q.new_empty(q.shape), _lse_fake(q), lse_replicated, meta
 
 
@@ -121,7 +117,7 @@ def _attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     m = meta.tolist()
     qb, kb, vb = (to_bshd(t, layout) for t in (q, k, v))
-    call = _rebuild(qb, kb, vb, _state(handle), (m[0],), tuple(m[2:]) if m[1] else None, causal, window,
+    call = _rebuild(qb, kb, vb, state_from_handle(handle), (m[0],), tuple(m[2:]) if m[1] else None, causal, window,
                     chunk_size, softcap, scale, backend, prefix, suffix)
     dq, dk, dv, dsinks = hybrid_backward(
         call.setup, to_bshd(dout, layout), qb, kb, vb, sinks, to_bshd(out, layout), lse_body, lse_replicated
@@ -164,7 +160,7 @@ def _varlen_op(
     window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str,
 ) -> tuple[Tensor, Tensor]:
     call = prepare_varlen(
-        q, k, v, _state(handle), seq_lens, causal=causal, softmax_scale=scale, backend=backend,
+        q, k, v, state_from_handle(handle), seq_lens, causal=causal, softmax_scale=scale, backend=backend,
         window=tuple(window), softcap=softcap, sinks=sinks, chunk_size=chunk_size,
     )
     out, lse, _ = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
@@ -182,7 +178,7 @@ def _varlen_backward_op(
     seq_lens: Tensor, handle: str, causal: bool, window: list[int], chunk_size: Optional[int], softcap: float,
     scale: Optional[float], backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    call = _rebuild(q[None], k[None], v[None], _state(handle), tuple(seq_lens.tolist()), None, causal, window,
+    call = _rebuild(q[None], k[None], v[None], state_from_handle(handle), tuple(seq_lens.tolist()), None, causal, window,
                     chunk_size, softcap, scale, backend)
     empty = lse.new_empty((1, q.shape[1], 0))
     dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], call.qb, call.kb, call.vb, sinks, out[None], lse,
@@ -234,7 +230,7 @@ def compiled_attention(
         chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
     )
     out, _, _, _ = _attention_op(
-        q, k, v, sinks, str(state.handle), o.layout, o.causal, list(o.window), o.chunk_size, o.softcap,
+        q, k, v, sinks, state.handle, o.layout, o.causal, list(o.window), o.chunk_size, o.softcap,
         o.softmax_scale, o.seq_len, backend_name(backend, "seqpar.attention"), o.prefix, o.suffix,
     )
     return out
@@ -257,7 +253,7 @@ def compiled_varlen_attention(
     lens = seq_lens if isinstance(seq_lens, Tensor) else torch.tensor(list(check_seq_lens(seq_lens, where)),
                                                                        dtype=torch.long)
     out, _ = _varlen_op(
-        q, k, v, sinks, lens, str(state.handle), causal, list(window), chunk_size, softcap,
+        q, k, v, sinks, lens, state.handle, causal, list(window), chunk_size, softcap,
         None if softmax_scale is None else float(softmax_scale), backend_name(backend, where),
     )
     return out

@@ -41,7 +41,7 @@ _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
 
-def state_from_handle(handle: int) -> ParallelState:
+def state_from_handle(handle: str) -> ParallelState:
     """The live :class:`ParallelState` whose ``handle`` is ``handle``."""
     state = _LIVE.get(handle)
     if state is None:
@@ -107,8 +107,9 @@ class ParallelState:
         workspace: scratch buffers that attention calls on this state reuse (staging copies,
             ring transfer buffers; Note [Workspace] in ``seqpar.comm.workspace``);
             ``state.workspace.clear()`` frees them.
-        handle: a small int naming this state to seqpar's custom operators (``torch.compile``,
-            ``docs/compile.md``); unique in the process.
+        handle: a short string naming this state to seqpar's custom operators (``torch.compile``,
+            ``docs/compile.md``); unique in the process. A string, so that the compiler keeps it a
+            constant (an int attribute becomes a symbolic int under ``dynamic=True``).
 
     Raises:
         ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
@@ -373,7 +374,7 @@ class ParallelState:
         self.workspace = Workspace()
         self._created: list = []  # groups this state created and :meth:`close` destroys
         self._closed = False
-        self.handle = next(_HANDLES)
+        self.handle = f"seqpar-state-{next(_HANDLES)}"
         _LIVE[self.handle] = self
         if checks not in _CHECKS:
             raise ValueError(f"{where}: checks must be one of {list(_CHECKS)}, got {checks!r}")

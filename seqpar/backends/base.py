@@ -292,7 +292,8 @@ class Packing:
 
     def host_lens(self) -> tuple[list[int], list[int]]:
         """``(lens_q, lens_k)``: per-sequence lengths, for ``host_lengths`` backends only."""
-        assert self.lens is not None, "per-sequence lengths are read for host_lengths backends"
+        if self.lens is None:
+            raise RuntimeError("seqpar internal error: a host_lengths backend got a Packing without host lengths")
         return self.lens
 
 

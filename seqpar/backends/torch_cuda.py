@@ -188,7 +188,8 @@ def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
 
 def _mask_type(window: Window) -> int:
     """``custom_mask_type``: 0 no mask, 2 causal aligned bottom-right (flash-attn's convention)."""
-    assert window in ((-1, -1), (-1, 0)), window  # unsupported_reason refuses other windows
+    if window not in ((-1, -1), (-1, 0)):  # unsupported_reason refuses other windows before this
+        raise ValueError(f"torch_efficient: window {window} is not supported (only none or causal)")
     return 0 if window == (-1, -1) else 2
 
 

@@ -24,13 +24,14 @@ are added.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from ..placement.sizes import offsets, split_sizes
+from ..placement.sizes import as_int, offsets, split_sizes
 from .group import Group, check_dim, check_group, exchange_ints, group_rank, group_size, refuse_double_backward
 from .workspace import Workspace
 
@@ -287,8 +288,14 @@ def _gather_sizes(
     """Gather-dim length on every rank, from ``gather_size`` or by exchanging shapes."""
     n, me = group_size(group), group_rank(group)
     local = xs[0].shape[gather_dim]
-    if gather_size is not None and not isinstance(gather_size, (int, bool)):
-        sizes = [int(s) for s in gather_size]
+    if isinstance(gather_size, torch.Tensor) and gather_size.dim() == 0:
+        gather_size = gather_size.item()  # a 0-dim tensor is one size, checked below
+    if isinstance(gather_size, (str, bytes)) or (
+        gather_size is not None and not isinstance(gather_size, numbers.Number) and not hasattr(gather_size, "__iter__")
+    ):
+        raise ValueError(f"{where}: gather_size must be an int, a list of ints or None, got {gather_size!r}")
+    if gather_size is not None and not isinstance(gather_size, numbers.Number):
+        sizes = [as_int(s, "gather_size[i]", where) for s in gather_size]
         if len(sizes) != n or sizes[me] != local:
             raise ValueError(
                 f"{where}: gather sizes {sizes} must give each of the {n} ranks its length; rank "
@@ -296,8 +303,7 @@ def _gather_sizes(
             )
         return sizes
     if gather_size is not None:
-        if isinstance(gather_size, bool) or gather_size < 0:
-            raise ValueError(f"{where}: gather_size must be a non-negative int, got {gather_size!r}")
+        gather_size = as_int(gather_size, "gather_size", where)  # numpy / torch integer scalars too
         sizes = split_sizes(gather_size, n)
         if sizes[me] != local:
             raise ValueError(

@@ -54,7 +54,8 @@ def post(
         if t.numel():
             ops.append(dist.P2POp(dist.isend, t, ranks[peer] if ranks else peer, group=group))
     for peer, t in recvs:
-        assert t.is_contiguous(), "receive buffers must be contiguous"
+        if not t.is_contiguous():
+            raise ValueError(f"post: receive buffers must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
         if t.numel():
             ops.append(dist.P2POp(dist.irecv, t, ranks[peer] if ranks else peer, group=group))
     return Pending(dist.batch_isend_irecv(ops) if ops else [], keep)

@@ -78,7 +78,11 @@ class Placement:
     def free(lengths: Sequence[int], ring_size: int, ulysses_size: int) -> Placement:
         """Arbitrary per-CP-rank token counts of one sequence whose positions are unknown."""
         lengths = tuple(int(n) for n in lengths)
-        assert len(lengths) == ring_size * ulysses_size, (lengths, ring_size, ulysses_size)
+        if len(lengths) != ring_size * ulysses_size:
+            raise ValueError(
+                f"Placement.free: {len(lengths)} lengths for ring {ring_size} x ulysses {ulysses_size}; pass one "
+                f"length per CP rank ({ring_size * ulysses_size})"
+            )
         return Placement((sum(lengths),), ring_size, ulysses_size, lengths)
 
     # -- sizes ---------------------------------------------------------------------------------

@@ -343,7 +343,8 @@ def _calls(tiles: Tiles, q_len: int, kv_len: int, varlen: bool) -> tuple[Call, .
             continue
         order = torch.argsort(sel.q0, stable=True)
         sel = sel.select(order)
-        assert bool((sel.k0[1:] >= sel.k1[:-1]).all()) and bool((sel.q0[1:] >= sel.q1[:-1]).all())
+        if not (bool((sel.k0[1:] >= sel.k1[:-1]).all()) and bool((sel.q0[1:] >= sel.q1[:-1]).all())):
+            raise RuntimeError("seqpar internal error: the tiles of one kernel call overlap")
         gap_q = sel.q0 - torch.cat([sel.q0.new_zeros(1), sel.q1[:-1]])
         gap_k = sel.k0 - torch.cat([sel.k0.new_zeros(1), sel.k1[:-1]])
         zeros = torch.zeros_like(gap_q)
@@ -359,7 +360,11 @@ def _calls(tiles: Tiles, q_len: int, kv_len: int, varlen: bool) -> tuple[Call, .
 
 def _all_tiles(placement: Placement, q_rank: int, k_rank: int, mask: Mask) -> Tiles:
     if not placement.positional:
-        assert mask.is_full, "a free placement needs a mask that does not depend on positions"
+        if not mask.is_full:
+            raise ValueError(
+                f"ring_plan: a placement of free lengths has no token positions, so it cannot run "
+                f"{mask.describe()} attention; shard with seqpar.shard for position-dependent masks"
+            )
         nq, nk = placement.ring_lengths[q_rank], placement.ring_lengths[k_rank]
         t = torch.tensor([0] if nq and nk else [], dtype=torch.long)
         return Tiles(t, t + nq, t, t + nk, t - 1, t - 1, t * 0)
