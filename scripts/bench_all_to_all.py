@@ -2,7 +2,7 @@
 
 For each case, every rank holds a shard and runs one ``all_to_all``; we report
 
-* ``alloc/input``: bytes of tensor storage the call created (``seqpar.profiling.StorageTracker``)
+* ``alloc/input``: bytes of tensor storage the call created (``seqpar.tools.profiling.StorageTracker``)
   over the input's bytes, largest over ranks; ``bound`` is the design bound, one staging copy
   of the input plus the output, ``(input + output) / input`` of the same rank: 2.0 when the split
   is even, more on a rank whose output is larger than its input (uneven splits);
@@ -34,15 +34,12 @@ import argparse
 import functools
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (  # noqa: E402
+from seqpar.comm import Workspace, all_to_all, split_sizes
+from seqpar.tools.bench import (
     HelpFormatter,
     add_plot_argument,
     emit,
@@ -54,9 +51,7 @@ from _bench_common import (  # noqa: E402
     under_torchrun,
     usable_cores,
 )
-
-from seqpar.comm import Workspace, all_to_all, split_sizes  # noqa: E402
-from seqpar.profiling import StorageTracker, iteration_seconds, max_over_ranks  # noqa: E402
+from seqpar.tools.profiling import StorageTracker, iteration_seconds, max_over_ranks
 
 
 def _cases(args: argparse.Namespace, n: int) -> list[dict]:
@@ -222,7 +217,7 @@ def main() -> None:
             _report(results, world, args, "cuda" if backend == "nccl" else "cpu", local)
         dist.destroy_process_group()
         return
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     with DistPool(args.world, timeout_s=600) as pool:
         results = pool.run(_worker, args)[0]

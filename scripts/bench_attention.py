@@ -6,7 +6,7 @@ S`` tokens with ``H`` heads -- split over ``R * U`` ranks, forward and backward.
 and mask the script reports:
 
 - **time**: median over ``--iters`` forward+backward iterations of the slowest rank (all ranks
-  start each iteration together, ``seqpar.profiling``); with several masks (``--window``) their
+  start each iteration together, ``seqpar.tools.profiling``); with several masks (``--window``) their
   iterations are interleaved, so drifting background load hits them alike;
 - **plan figures** (host maths, exact, from ``seqpar.placement``): attended (query, key) pairs
   and kernel FLOPs per rank, and the bytes of K/V each rank sends around the ring (below);
@@ -43,7 +43,7 @@ Run:
     torchrun --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the live storages created by
-ATen ops (``seqpar.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a
+ATen ops (``seqpar.tools.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a
 separate untimed iteration. With more CPU ranks than cores the ranks time-share the cores:
 compare ratios within one run (the output says so).
 
@@ -60,17 +60,18 @@ import functools
 import math
 import os
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (  # noqa: E402
+import seqpar
+from seqpar.backends import KernelBackend, get_backend
+from seqpar.parallel import ring as ring_module
+from seqpar.placement import Mask, Placement, head_assignments, ring_plan
+from seqpar.placement.ring import tile_pairs
+from seqpar.tools.bench import (
     HelpFormatter,
     add_plot_argument,
     emit,
@@ -82,15 +83,13 @@ from _bench_common import (  # noqa: E402
     under_torchrun,
     usable_cores,
 )
-
-import seqpar  # noqa: E402
-from seqpar.backends import KernelBackend, get_backend  # noqa: E402
-from seqpar.parallel import ring as ring_module  # noqa: E402
-from seqpar.placement import head_assignments  # noqa: E402
-from seqpar.placement import Mask, Placement, ring_plan  # noqa: E402
-from seqpar.placement.ring import tile_pairs  # noqa: E402
-from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes  # noqa: E402
-from seqpar.one_rank import instrument  # noqa: E402
+from seqpar.tools.one_rank import instrument
+from seqpar.tools.profiling import (
+    PeakMemory,
+    iteration_seconds,
+    max_over_ranks,
+    maxrss_bytes,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)
@@ -164,7 +163,7 @@ def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
 
 
 def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
-    """Peak tensor bytes while ``fn`` runs (``seqpar.profiling.PeakMemory``)."""
+    """Peak tensor bytes while ``fn`` runs (``seqpar.tools.profiling.PeakMemory``)."""
     with PeakMemory(device) as mem:
         fn()
     return mem.peak
@@ -589,7 +588,7 @@ def main() -> None:
         if int(os.environ.get("RANK", "0")) != 0:
             return
     else:
-        from seqpar.testing import DistPool
+        from seqpar.tools.testing import DistPool
 
         if args.ring is not None or args.ulysses is not None:
             world = (args.ring or 1) * (args.ulysses or 1)

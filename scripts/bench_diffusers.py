@@ -35,15 +35,11 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from _bench_common import (  # noqa: E402
+from seqpar.tools.bench import (
     HelpFormatter,
     add_plot_argument,
     emit,
@@ -138,7 +134,7 @@ def main() -> None:
                 f"({args.image_tokens}), --text-tokens ({args.text_tokens}) and --heads ({args.heads})"
             )
 
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     torch.set_num_threads(1)
     model, inputs = build(args)

@@ -1,7 +1,7 @@
 """Benchmark ONE rank of ring x Ulysses attention on one GPU: efficiency, TFLOP/s, memory, max length.
 
 Each configuration ``R x U`` runs as rank ``--cp-rank`` of an ``R * U``-rank job, alone in a fresh
-process over torch's fake process group (``seqpar.one_rank``, Note [One-rank runs]): the same
+process over torch's fake process group (``seqpar.tools.one_rank``, Note [One-rank runs]): the same
 kernel calls, buffers and copies as that rank of a real job, with communication free. Per
 configuration and length it reports
 
@@ -40,15 +40,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _bench_common import (  # noqa: E402
+from seqpar.tools.bench import (
     HelpFormatter,
     add_plot_argument,
     emit,
@@ -58,8 +53,7 @@ from _bench_common import (  # noqa: E402
     plot_bars,
     table,
 )
-
-from seqpar.one_rank import MaxLenSearch, OneRankConfig, run_tasks  # noqa: E402
+from seqpar.tools.one_rank import MaxLenSearch, OneRankConfig, run_tasks
 
 GIB = 2**30
 

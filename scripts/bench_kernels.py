@@ -34,18 +34,21 @@ import functools
 import itertools
 import math
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import HelpFormatter, add_plot_argument, emit, plain, plot_bars, table, usable_cores  # noqa: E402
-
-from seqpar.backends import get_backend  # noqa: E402
+from seqpar.backends import get_backend
+from seqpar.tools.bench import (
+    HelpFormatter,
+    add_plot_argument,
+    emit,
+    plain,
+    plot_bars,
+    table,
+    usable_cores,
+)
 
 
 def _best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

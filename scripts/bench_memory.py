@@ -4,7 +4,7 @@ For every ring x Ulysses configuration, every rank runs one forward+backward of
 ``seqpar.attention`` (dense) or ``seqpar.varlen_attention`` (packed) on its shard after a warm-up
 call, and measures the tensor memory of that call:
 
-* ``in-call``: the peak of tensor storage created inside the call (``seqpar.profiling
+* ``in-call``: the peak of tensor storage created inside the call (``seqpar.tools.profiling
   .StorageTracker`` on CPU: every storage an op creates, alive or freed; on CUDA the allocator's
   peak above what was allocated before the call) -- the outputs, saved activations, kernel
   results and accumulators;
@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _bench_common import HelpFormatter, add_plot_argument, emit, parse_configs, plain, plot_bars, table  # noqa: E402
-
-import seqpar  # noqa: E402
-from seqpar.backends import get_backend  # noqa: E402
-from seqpar.profiling import StorageTracker  # noqa: E402
+import seqpar
+from seqpar.backends import get_backend
+from seqpar.tools.bench import (
+    HelpFormatter,
+    add_plot_argument,
+    emit,
+    parse_configs,
+    plain,
+    plot_bars,
+    table,
+)
+from seqpar.tools.profiling import StorageTracker
 
 
 def _lengths(seq_len: int) -> list[int]:
@@ -146,7 +148,7 @@ def main() -> None:
         if R * U != n:
             raise SystemExit(f"--configs: {R}x{U} does not use the {n} ranks of --world {n}")
 
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     device = torch.device("cpu")
     rows, results = [], []

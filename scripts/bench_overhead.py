@@ -15,19 +15,20 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _bench_common import HelpFormatter, add_plot_argument, emit, plain, plot_bars, table  # noqa: E402
-
-import seqpar  # noqa: E402
-from seqpar.backends import get_backend  # noqa: E402
+import seqpar
+from seqpar.backends import get_backend
+from seqpar.tools.bench import (
+    HelpFormatter,
+    add_plot_argument,
+    emit,
+    plain,
+    plot_bars,
+    table,
+)
 
 
 def _median_call(fn, iters: int) -> float:

@@ -20,7 +20,7 @@ tokens, 64 equal documents, and the timed mix -- over the ``--balance-configs``:
 
 Two launchers:
 
-- default: a local gloo pool of ``--world`` CPU processes (``seqpar.testing.DistPool``), one
+- default: a local gloo pool of ``--world`` CPU processes (``seqpar.tools.testing.DistPool``), one
   thread each, the baseline in the parent with one thread. On a machine with fewer cores than
   ranks the per-rank times include time-sharing (the output warns); work balance does not
   depend on it.
@@ -48,16 +48,14 @@ import math
 import os
 import random
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (  # noqa: E402
+import seqpar
+from seqpar.placement import Mask, Placement, attention_work, imbalance, split_sizes
+from seqpar.tools.bench import (
     HelpFormatter,
     add_plot_argument,
     emit,
@@ -70,10 +68,7 @@ from _bench_common import (  # noqa: E402
     under_torchrun,
     usable_cores,
 )
-
-import seqpar  # noqa: E402
-from seqpar.placement import Mask, Placement, attention_work, imbalance, split_sizes  # noqa: E402
-from seqpar.profiling import PeakMemory, iteration_seconds  # noqa: E402
+from seqpar.tools.profiling import PeakMemory, iteration_seconds
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -287,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
                 if rank == 0:
                     results.append(_summarise(R, U, gathered, cfg, base))
         else:
-            from seqpar.testing import DistPool
+            from seqpar.tools.testing import DistPool
 
             with DistPool(world, timeout_s=3600) as pool:
                 for R, U in configs:

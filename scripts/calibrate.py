@@ -17,16 +17,13 @@ import argparse
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import seqpar  # noqa: E402
-from _bench_common import HelpFormatter, plain  # noqa: E402
-from seqpar.planner import CostModel, calibrate  # noqa: E402
+import seqpar
+from seqpar.planner import CostModel, calibrate
+from seqpar.tools.bench import HelpFormatter, plain
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -49,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.local:
-        from seqpar.testing import DistPool
+        from seqpar.tools.testing import DistPool
 
         with DistPool(args.local) as pool:
             text = pool.run(_measure, args.ranks_per_node, args.dtype, args.repeats)[0]

@@ -24,12 +24,20 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from _bench_common import HelpFormatter, plain
-from _train_harness import Plot, add_check_args, add_parallel_args, finish, launch, parallel_state, train_loop
 
 import seqpar
 from seqpar.integrations.transformers import register
-from seqpar.models import tiny_llama_config
+from seqpar.tools.bench import HelpFormatter, plain
+from seqpar.tools.models import tiny_llama_config
+from seqpar.tools.train_harness import (
+    Plot,
+    add_check_args,
+    add_parallel_args,
+    finish,
+    launch,
+    parallel_state,
+    train_loop,
+)
 from seqpar.training import sharded_cross_entropy, shift_labels, wrap_ddp
 
 

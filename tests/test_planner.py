@@ -173,7 +173,7 @@ def test_single_rank_state_without_process_group():
 
 
 def _states_and_memory(shapes):
-    from seqpar.profiling import StorageTracker
+    from seqpar.tools.profiling import StorageTracker
 
     out = []
     for S, H, Hkv, D, causal, window in shapes:

@@ -27,7 +27,7 @@ What that measures, and what it does not:
   whose (causal, if the run is causal) pairs equal the rank's pairs per head, with the rank's
   heads. 1.0 means the rank's fragmented ring work runs as fast per FLOP as one big kernel;
 - **memory**: ``torch.cuda.max_memory_allocated`` over one forward+backward on a GPU (all live
-  tensors: inputs, workspace, the call's own), on the CPU ``seqpar.profiling.StorageTracker``'s
+  tensors: inputs, workspace, the call's own), on the CPU ``seqpar.tools.profiling.StorageTracker``'s
   peak of storage created in the call plus the bytes alive before it;
 - **kernel calls** and **collectives** (count and bytes) of one forward+backward, recorded by
   wrappers (the test suite checks the kernel calls against a real multi-rank gloo run).
@@ -40,7 +40,7 @@ one happened.
 ``init_process_group`` is once per process, so :func:`run_one_rank` (and :func:`run_tasks`)
 start a fresh Python process, send it the tasks as JSON and read one JSON line per finished
 task; a child that dies or overruns its time is restarted for the tasks after the failed one.
-``python -m seqpar.one_rank --help`` is the command-line form.
+``python -m seqpar.tools.one_rank --help`` is the command-line form.
 
 Longest sequence (:class:`MaxLenSearch`): a probe runs one forward+backward at global length
 ``S`` and fails on ``torch.cuda.OutOfMemoryError`` (or, with ``memory_limit_bytes``, when the
@@ -288,8 +288,8 @@ def rank_work(config: OneRankConfig) -> dict:
     queries (``seqpar.placement.attention_work`` times the batch); forward FLOPs are ``4 * D *
     pairs``, backward ``2.5x`` that.
     """
-    from .placement.heads import head_assignments
-    from .placement import Mask, Placement, attention_work
+    from ..placement.heads import head_assignments
+    from ..placement import Mask, Placement, attention_work
 
     R, U = config.ring, config.ulysses
     if config.varlen:
@@ -510,7 +510,7 @@ class _DecoderLayer(nn.Module):
         q = self.q(h).view(B, S, c.heads, c.head_dim)
         k = self.k(h).view(B, S, c.kv_heads, c.head_dim)
         v = self.v(h).view(B, S, c.kv_heads, c.head_dim)
-        from .attention import attention
+        from ..attention import attention
 
         a = attention(q, k, v, self.state, causal=c.causal, seq_len=c.seq_len, backend=self.backend)
         x = x + self.o(a.reshape(B, S, -1))
@@ -529,7 +529,7 @@ class _Rank:
     """The tensors and the step of one rank (inputs on the device, backend instrumented)."""
 
     def __init__(self, config: OneRankConfig, device: torch.device, state, backend) -> None:
-        from .placement import Placement
+        from ..placement import Placement
 
         self.config, self.device, self.state, self.backend = config, device, state, backend
         dtype = _DTYPES[config.dtype]
@@ -566,7 +566,7 @@ class _Rank:
             t.requires_grad_()
 
     def forward(self) -> Tensor:
-        from .attention import attention, varlen_attention
+        from ..attention import attention, varlen_attention
 
         c = self.config
         for t in self.leaves:
@@ -648,7 +648,7 @@ def _peak_memory(rank: _Rank) -> dict:
     with StorageTracker() as tracker:
         rank.step()
     return {"peak_bytes": base + tracker.peak, "in_call_peak_bytes": tracker.peak, "before_call_bytes": base,
-            "measured_by": "seqpar.profiling.StorageTracker (+ bytes alive before the call)"}
+            "measured_by": "seqpar.tools.profiling.StorageTracker (+ bytes alive before the call)"}
 
 
 def _monolithic(config: OneRankConfig, work: dict, inner, device: torch.device) -> dict | None:
@@ -705,13 +705,13 @@ def _environment(device: torch.device) -> dict:
 
 
 def _new_state(config: OneRankConfig):
-    from .state import ParallelState
+    from ..state import ParallelState
 
     return ParallelState(config.ring, config.ulysses, checks="never")
 
 
 def _resolve_inner(config: OneRankConfig, device: torch.device):
-    from .backends import get_backend
+    from ..backends import get_backend
 
     return get_backend(config.backend, device, _DTYPES[config.dtype])
 
@@ -1042,7 +1042,7 @@ def _child(tasks: list[dict]) -> None:
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[1])
+    return str(Path(__file__).resolve().parents[2])
 
 
 def run_tasks(tasks: Sequence[Task], *, timeout_s: float | None = None, python: str | None = None) -> list[dict]:
@@ -1064,7 +1064,7 @@ def run_tasks(tasks: Sequence[Task], *, timeout_s: float | None = None, python: 
     start = 0
     while start < len(encoded):
         proc = subprocess.Popen(
-            [python or sys.executable, "-m", "seqpar.one_rank", "--child"], stdin=subprocess.PIPE,
+            [python or sys.executable, "-m", "seqpar.tools.one_rank", "--child"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         lines: queue.Queue = queue.Queue()
@@ -1129,7 +1129,7 @@ def search_max_seq_len(search: MaxLenSearch, *, timeout_s: float | None = None) 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m seqpar.one_rank",
+        prog="python -m seqpar.tools.one_rank",
         description="Run one rank of a ring x Ulysses job alone (fake process group) and print its "
         "figures as JSON. See the module docstring (Note [One-rank runs]).",
     )
@@ -1174,7 +1174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
         task: Task = MaxLenSearch(config, probe=args.probe, memory_limit_bytes=limit) if args.max_len else config
     except ValueError as e:
-        raise SystemExit(f"python -m seqpar.one_rank: {e}") from None
+        raise SystemExit(f"python -m seqpar.tools.one_rank: {e}") from None
     with fake_world(config.cp_size, config.cp_rank, _device(config)):
         out = max_seq_len(task) if isinstance(task, MaxLenSearch) else measure(task)
     print(json.dumps(out, indent=1))

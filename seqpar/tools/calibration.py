@@ -40,10 +40,10 @@ from ..backends import get_backend
 from ..comm import Workspace, all_to_all, group_rank, group_size, post, reduce_
 from ..parallel.ring import RingRun, ring_attention
 from ..placement import Mask, Placement, ring_plan
-from ..profiling import iteration_seconds, sync
+from .profiling import iteration_seconds, sync
 from ..state import ParallelState, require_state
-from .cost import KINDS, CostModel, KernelRates, Link
-from .predict import Shape, predict
+from ..planner.cost import KINDS, CostModel, KernelRates, Link
+from ..planner.predict import Shape, predict
 
 __all__ = ["calibrate"]
 

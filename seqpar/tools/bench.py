@@ -58,7 +58,7 @@ def check_on_ranks(run: Callable[[argparse.Namespace], float], args: argparse.Na
         errors = [run(args)]
         dist.destroy_process_group()
     else:
-        from seqpar.testing import DistPool
+        from .testing import DistPool
 
         args.ulysses = args.ulysses or args.world // args.ring
         with DistPool(args.world) as pool:

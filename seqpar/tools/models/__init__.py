@@ -1,8 +1,8 @@
 """Tiny reference models for the scripts, tests and docs (not part of the attention API).
 
-- :mod:`seqpar.models.dit`: a small video diffusion transformer built from SDPA blocks, meant to
+- :mod:`seqpar.tools.models.dit`: a small video diffusion transformer built from SDPA blocks, meant to
   run under ``seqpar.parallel_sdpa`` with no change.
-- :mod:`seqpar.models.llama`: a small Llama-style ``transformers`` config (imports transformers
+- :mod:`seqpar.tools.models.llama`: a small Llama-style ``transformers`` config (imports transformers
   only when called).
 """
 

@@ -1,4 +1,4 @@
-"""``python -m seqpar demo``: hybrid attention on local ranks, checked against one device.
+"""``python -m seqpar.tools.demo``: hybrid attention on local ranks, checked against one device.
 
 The demo spawns ``--world-size`` processes (gloo on CPU; NCCL when there are enough GPUs), runs
 ``seqpar.attention`` forward and backward on one long sequence sharded over a ring x Ulysses
@@ -197,7 +197,7 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
             "dv": v.grad.cpu(),
         }
         torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-        dist.barrier()  # tear down together (see scripts/_train_harness.py)
+        dist.barrier()  # tear down together (see seqpar/tools/train_harness.py)
         state.close()
     finally:
         dist.destroy_process_group()
@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m seqpar.demo``."""
+    """Entry point for ``python -m seqpar.tools.demo``."""
     parser = argparse.ArgumentParser(
         prog="seqpar demo", description=help_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
