@@ -1,0 +1,23 @@
+"""Moved to seqpar.tools.profiling; this alias is kept for existing imports."""
+
+from .tools.profiling import (
+    CollectiveRecorder,
+    PeakMemory,
+    StorageTracker,
+    iteration_seconds,
+    max_over_ranks,
+    maxrss_bytes,
+    median_seconds,
+    sync,
+)
+
+__all__ = [
+    "CollectiveRecorder",
+    "PeakMemory",
+    "StorageTracker",
+    "iteration_seconds",
+    "max_over_ranks",
+    "maxrss_bytes",
+    "median_seconds",
+    "sync",
+]
