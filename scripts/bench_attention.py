@@ -89,6 +89,7 @@ from seqpar.tools.profiling import (
     iteration_seconds,
     max_over_ranks,
     maxrss_bytes,
+    median_seconds,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -324,8 +325,8 @@ def _kernel_efficiency(
             out, lse = backend.kernel_varlen_forward(q, k, v, packing, **kw)
             backend.kernel_varlen_backward(dout, q, k, v, out, lse, packing, **kw)
 
-    def median_s(fn: Callable[[], None]) -> float:
-        return statistics.median(iteration_seconds(fn, p["iters"], device, barrier=False))
+    def median_s(fn: Callable[[], None]) -> float:  # this rank alone
+        return median_seconds(fn, p["iters"], device, barrier=False, over_ranks=False)
 
     heads = calls[0][1][-2] if calls else 0
     kv_heads = calls[0][2][-2] if calls else 0

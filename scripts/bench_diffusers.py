@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import torch
 
@@ -50,6 +49,7 @@ from seqpar.tools.bench import (
     time_sharing_warning,
     usable_cores,
 )
+from seqpar.tools.profiling import PhaseTimer
 
 
 def build(args: argparse.Namespace):
@@ -98,13 +98,15 @@ def run_rank(args: argparse.Namespace, ulysses: int) -> dict:
     enable_diffusers_cp(theirs, ulysses)
     times = {"seqpar": [], "diffusers": []}
     outs = {}
+    timer = PhaseTimer(torch.device("cpu"))
     with torch.no_grad():
         for it in range(args.iters + 1):
             for name, model in (("seqpar", ours), ("diffusers", theirs)):
-                t = time.perf_counter()
+                timer.start()
                 outs[name] = model(**inputs)[0]
+                seconds = timer.stop()[0]
                 if it:  # the first round warms up
-                    times[name].append(time.perf_counter() - t)
+                    times[name].append(seconds)
     return {
         "seqpar_s": statistics.median(times["seqpar"]),
         "diffusers_s": statistics.median(times["diffusers"]),
@@ -138,10 +140,11 @@ def main() -> None:
 
     torch.set_num_threads(1)
     model, inputs = build(args)
+    timer = PhaseTimer(torch.device("cpu"))
     with torch.no_grad():
-        t = time.perf_counter()
+        timer.start()
         reference = model(**inputs)[0]
-        one_process_s = time.perf_counter() - t
+        [one_process_s] = timer.stop()
 
     rows, results, cores = [], [], usable_cores()
     for u in degrees:

@@ -16,7 +16,8 @@ Windows (``--windows S:W,...``): one dense ``[1, S, H, D]`` block with the causa
   (equal useful FLOPs): ``window / eq`` is the cost of the windowed path per attended pair;
 - ``causal``: plain causal attention over the same ``S`` (what the window should save).
 
-Times are the minimum over repeated runs (robust to other processes on the machine).
+Times are the minimum over repeated runs (robust to other processes on the machine), the device
+synchronised around every timed call.
 
     python scripts/bench_kernels.py                      # CPU backend, fp32 and bf16
     python scripts/bench_kernels.py --dtype bfloat16 --threads 1
@@ -34,7 +35,6 @@ import functools
 import itertools
 import math
 import random
-import time
 from collections.abc import Callable
 
 import torch
@@ -49,18 +49,18 @@ from seqpar.tools.bench import (
     table,
     usable_cores,
 )
+from seqpar.tools.profiling import iteration_seconds
 
 
-def _best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Minimum wall time in ms of each function, measured round-robin."""
+def _best_times(fns: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
+    """Minimum wall time in ms of each function, measured round-robin after one untimed call each
+    (``iteration_seconds``: the device synchronised around every call)."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+            best[name] = min(best[name], iteration_seconds(fn, 1, device, warmup=0, barrier=False)[0] * 1e3)
     return best
 
 
@@ -130,7 +130,7 @@ def _bench_varlen(name: str, device: torch.device, dtype: torch.dtype, lens: lis
         fns["one" + p] = functools.partial(dense, one, bwd)
         fns["bat" + p] = functools.partial(dense, bat, bwd)
         fns["loop" + p] = functools.partial(lambda b: [dense(x, b) for x in pieces], bwd)
-    return _best_times(fns, rounds)
+    return _best_times(fns, rounds, device)
 
 
 def _window_pairs(s: int, w: int) -> int:
@@ -151,7 +151,7 @@ def _bench_window(name: str, device: torch.device, dtype: torch.dtype, s: int, w
         fns["win" + p] = functools.partial(_dense, backend, full, bwd, True, scale, (w, 0))
         fns["eq" + p] = functools.partial(_dense, backend, eq, bwd, False, scale)
         fns["cau" + p] = functools.partial(_dense, backend, full, bwd, True, scale)
-    return _best_times(fns, rounds) | {"s_eq": s_eq}
+    return _best_times(fns, rounds, device) | {"s_eq": s_eq}
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ from seqpar.tools.bench import (
     plot_bars,
     table,
 )
-from seqpar.tools.profiling import StorageTracker
+from seqpar.tools.profiling import PeakMemory
 
 
 def _lengths(seq_len: int) -> list[int]:
@@ -62,18 +62,11 @@ def _inputs(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor
 
 
 def _peak(run, device: torch.device) -> int:
-    """Tensor bytes one call of ``run`` creates at its peak (after a warm-up call)."""
+    """Tensor bytes one call of ``run`` creates at its peak (after a warm-up call; ``PeakMemory``)."""
     run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    with PeakMemory(device) as mem:
         run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with StorageTracker() as tracker:
-        run()
-    return tracker.peak
+    return mem.peak
 
 
 def ideal(args: argparse.Namespace, packed: bool, device: torch.device) -> int:

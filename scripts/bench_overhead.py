@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import torch
 
@@ -29,15 +28,7 @@ from seqpar.tools.bench import (
     plot_bars,
     table,
 )
-
-
-def _median_call(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from seqpar.tools.profiling import median_seconds
 
 
 def main() -> None:
@@ -58,7 +49,8 @@ def main() -> None:
     q, k, v, dout = (torch.randn(1, args.seq_len, args.heads, args.head_dim, generator=g).to(dtype) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     state = seqpar.ParallelState()
-    backend = get_backend("auto", "cpu", dtype)
+    cpu = torch.device("cpu")
+    backend = get_backend("auto", cpu, dtype)
     scale = args.head_dim ** -0.5
 
     def ours() -> None:
@@ -74,7 +66,7 @@ def main() -> None:
         kernel()
     rounds = []
     for _ in range(args.rounds):
-        a, b = _median_call(ours, args.iters), _median_call(kernel, args.iters)
+        a, b = (median_seconds(fn, args.iters, cpu, warmup=0, barrier=False, over_ranks=False) for fn in (ours, kernel))
         rounds.append((a, b, a / b))
     ratio = statistics.median(r[2] for r in rounds)
     ours_us = statistics.median(r[0] for r in rounds) * 1e6

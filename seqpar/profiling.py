@@ -3,6 +3,7 @@
 from .tools.profiling import (
     CollectiveRecorder,
     PeakMemory,
+    PhaseTimer,
     StorageTracker,
     iteration_seconds,
     max_over_ranks,
@@ -14,6 +15,7 @@ from .tools.profiling import (
 __all__ = [
     "CollectiveRecorder",
     "PeakMemory",
+    "PhaseTimer",
     "StorageTracker",
     "iteration_seconds",
     "max_over_ranks",

@@ -31,7 +31,6 @@ when the group spans nodes) is taken from the preset of the device type and list
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import torch
@@ -40,7 +39,7 @@ from ..backends import get_backend
 from ..comm import Workspace, all_to_all, group_rank, group_size, post, reduce_
 from ..parallel.ring import RingRun, ring_attention
 from ..placement import Mask, Placement, ring_plan
-from .profiling import iteration_seconds, sync
+from .profiling import median_seconds, sync
 from ..state import ParallelState, require_state
 from ..planner.cost import KINDS, CostModel, KernelRates, Link
 from ..planner.predict import Shape, predict
@@ -56,7 +55,9 @@ _SMALL_BYTES = 4096
 
 
 def _median(fn, repeats: int, device: torch.device, group, *, together: bool = True) -> float:
-    return statistics.median(iteration_seconds(fn, repeats, device, warmup=1, barrier=together, group=group))
+    """This rank's median of ``repeats`` calls after a warm-up, all ranks starting each call
+    together unless ``together`` is off (the slowest rank is taken later, for every time at once)."""
+    return median_seconds(fn, repeats, device, group, warmup=1, barrier=together, over_ranks=False)
 
 
 def _elementwise_seconds(nbytes: int, device: torch.device, repeats: int, group) -> float:

@@ -86,7 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .profiling import CollectiveRecorder, StorageTracker, sync
+from .profiling import CollectiveRecorder, PeakMemory, PhaseTimer, sync
 
 __all__ = [
     "OneRankConfig",
@@ -603,24 +603,16 @@ def _timed(rank: _Rank, iters: int) -> dict[str, list[float]]:
         s = backend.seconds()
         return s["forward"] + s["varlen_forward"], s["backward"] + s["varlen_backward"]
 
+    timer = PhaseTimer(device, events=True)  # CUDA events on a GPU, perf_counter on the CPU
     for _ in range(iters):
         sync(device)
         k0 = kernel_split()
         t0 = time.perf_counter()
-        if device.type == "cuda":
-            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            e[0].record()
-            y = rank.forward()
-            e[1].record()
-            y.backward(rank.inputs[-1])
-            e[2].record()
-            torch.cuda.synchronize(device)
-            fwd, bwd = e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
-        else:
-            y = rank.forward()
-            t1 = time.perf_counter()
-            y.backward(rank.inputs[-1])
-            fwd, bwd = t1 - t0, time.perf_counter() - t1
+        timer.start()
+        y = rank.forward()
+        timer.mark()
+        y.backward(rank.inputs[-1])
+        fwd, bwd = timer.stop()
         out["wall"].append(time.perf_counter() - t0)
         k1 = kernel_split()
         out["fwd"].append(fwd)
@@ -635,19 +627,14 @@ def _peak_memory(rank: _Rank) -> dict:
     """Peak bytes over one forward+backward (see Note [One-rank runs])."""
     device = rank.device
     gc.collect()
+    before = None if device.type == "cuda" else rank.live_bytes()
+    with PeakMemory(device) as mem:
+        rank.step()
     if device.type == "cuda":
-        sync(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        rank.step()
-        sync(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        return {"peak_bytes": peak, "in_call_peak_bytes": peak - base, "before_call_bytes": base,
+        before = mem.start_bytes
+        return {"peak_bytes": before + mem.peak, "in_call_peak_bytes": mem.peak, "before_call_bytes": before,
                 "measured_by": "torch.cuda.max_memory_allocated"}
-    base = rank.live_bytes()
-    with StorageTracker() as tracker:
-        rank.step()
-    return {"peak_bytes": base + tracker.peak, "in_call_peak_bytes": tracker.peak, "before_call_bytes": base,
+    return {"peak_bytes": before + mem.peak, "in_call_peak_bytes": mem.peak, "before_call_bytes": before,
             "measured_by": "seqpar.tools.profiling.StorageTracker (+ bytes alive before the call)"}
 
 
@@ -669,23 +656,14 @@ def _monolithic(config: OneRankConfig, work: dict, inner, device: torch.device) 
     q, k, v, dout = rand(B, s, H, D), rand(B, s, Hkv, D), rand(B, s, Hkv, D), rand(B, s, H, D)
     scale = D ** -0.5
     fwd, bwd = [], []
+    timer = PhaseTimer(device, events=True)
     for i in range(config.warmup + config.iters):
         sync(device)
-        if device.type == "cuda":
-            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            e[0].record()
-            out, lse = inner.forward(q, k, v, causal=config.causal, scale=scale)
-            e[1].record()
-            inner.backward(dout, q, k, v, out, lse, causal=config.causal, scale=scale)
-            e[2].record()
-            torch.cuda.synchronize(device)
-            f, b = e[0].elapsed_time(e[1]) / 1e3, e[1].elapsed_time(e[2]) / 1e3
-        else:
-            t0 = time.perf_counter()
-            out, lse = inner.forward(q, k, v, causal=config.causal, scale=scale)
-            t1 = time.perf_counter()
-            inner.backward(dout, q, k, v, out, lse, causal=config.causal, scale=scale)
-            f, b = t1 - t0, time.perf_counter() - t1
+        timer.start()
+        out, lse = inner.forward(q, k, v, causal=config.causal, scale=scale)
+        timer.mark()
+        inner.backward(dout, q, k, v, out, lse, causal=config.causal, scale=scale)
+        f, b = timer.stop()
         if i >= config.warmup:
             fwd.append(f)
             bwd.append(b)
@@ -807,17 +785,10 @@ def measure(config: OneRankConfig) -> dict:
 
 def _transient(fn: Callable[[], Any], device: torch.device) -> tuple[int, Any]:
     """``(peak bytes above the start minus bytes still held at the end, fn's result)``."""
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = fn()
-        sync(device)
-        return torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device), out
-    with StorageTracker() as tracker:
+    with PeakMemory(device) as mem:
         out = fn()
     gc.collect()
-    tracker._sweep()
-    return max(0, tracker.peak - tracker.current), out
+    return max(0, mem.peak - mem.held()), out
 
 
 def calibrate_scratch(config: OneRankConfig, device: torch.device, tokens: int = 2048) -> dict:
@@ -912,14 +883,7 @@ def _search(search: MaxLenSearch, device: torch.device, limit: int | None) -> di
         rank = None
         try:
             rank = _Rank(cfg, device, state, backend)
-            if device.type == "cuda":
-                sync(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                rank.step()
-                sync(device)
-                peak = torch.cuda.max_memory_allocated(device)
-            else:
-                peak = _peak_memory(rank)["peak_bytes"]
+            peak = _peak_memory(rank)["peak_bytes"]
             fits = limit is None or peak <= limit
             return fits, peak
         except RuntimeError as e:

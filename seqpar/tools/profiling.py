@@ -1,8 +1,10 @@
 """Measure the time and the memory of an operation, on any device (benchmarks and tests).
 
-Time: ``iteration_seconds`` times each call of a function, every rank starting each call together
-and the device synchronised around it; ``max_over_ranks`` takes the slowest rank per iteration and
-``median_seconds`` the slowest rank's median (a collective finishes when its slowest rank does).
+Time: ``PhaseTimer`` reads the seconds between marks of one call (the device synchronised at each
+mark, or CUDA events); ``iteration_seconds`` times each call of a function with it, every rank
+starting each call together; ``max_over_ranks`` takes the slowest rank per iteration and
+``median_seconds`` the median, by default the slowest rank's (a collective finishes when its
+slowest rank does). Every timing in ``seqpar.tools`` and ``scripts/`` goes through these.
 
 Memory: ``StorageTracker`` is a ``TorchDispatchMode``: every ATen op run while it is active is
 inspected, and each storage that an op's outputs bring into existence (not a view of, or an
@@ -11,7 +13,8 @@ follow the ones still alive (weak references), so ``peak`` is the high-water mar
 memory created inside the block. Kernel scratch that never becomes a tensor is not seen.
 Collectives that write into preallocated outputs allocate nothing of their own. ``PeakMemory``
 picks a peak measure per device (the CUDA allocator's, ``StorageTracker``'s, or the resident
-set's); ``maxrss_bytes`` is the process's resident high-water mark since it started.
+set's) and is how ``seqpar.tools`` and ``scripts/`` read a peak; ``maxrss_bytes`` is the process's
+resident high-water mark since it started.
 
 Communication: ``CollectiveRecorder`` counts the ``torch.distributed`` collectives called while it
 is active, and the bytes handed to them.
@@ -19,6 +22,7 @@ is active, and the bytes handed to them.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -34,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "CollectiveRecorder",
     "PeakMemory",
+    "PhaseTimer",
     "StorageTracker",
     "iteration_seconds",
     "max_over_ranks",
@@ -47,6 +52,63 @@ def sync(device: torch.device) -> None:
     """Wait until the work queued on ``device`` is done (CUDA); CPU ops run eagerly, a no-op."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class PhaseTimer:
+    """Seconds between the marks of one timed call on ``device``.
+
+    ``start()`` opens the call, each ``mark()`` ends a phase, ``stop()`` ends the last one and
+    returns every phase's seconds::
+
+        timer = PhaseTimer(device)
+        timer.start()
+        out = forward()
+        timer.mark()
+        out.backward(dout)
+        fwd_s, bwd_s = timer.stop()
+
+    By default every mark synchronises ``device`` (:func:`sync`), then waits at a barrier of
+    ``group`` when ``barrier`` is set and a process group is initialised (all ranks pass the mark
+    together: a phase then lasts as long as on the slowest rank), and reads ``perf_counter``. With
+    ``events`` on a CUDA device a mark records a CUDA event instead and ``stop`` synchronises once:
+    device time of each phase, the host not blocked in between (``barrier`` does not apply).
+    """
+
+    def __init__(
+        self, device: torch.device, *, events: bool = False, barrier: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.events = events and self.device.type == "cuda"
+        self.barrier, self.group = barrier, group
+        self._marks: list = []
+
+    def _now(self):
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        sync(self.device)
+        if self.barrier and dist.is_initialized():
+            dist.barrier(group=self.group)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """Open a call: its first mark."""
+        self._marks = [self._now()]
+
+    def mark(self) -> None:
+        """End a phase (and begin the next)."""
+        self._marks.append(self._now())
+
+    def stop(self) -> list[float]:
+        """End the last phase; returns the seconds of every phase since :meth:`start`, in order."""
+        self.mark()
+        marks, self._marks = self._marks, []
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+        return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def iteration_seconds(
@@ -72,15 +134,14 @@ def iteration_seconds(
     for _ in range(warmup):
         fn()
     together = barrier and dist.is_initialized()
+    timer = PhaseTimer(device)
     times = []
     for _ in range(iters):
         if together:
             dist.barrier(group=group)
-        sync(device)
-        t0 = time.perf_counter()
+        timer.start()
         fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(timer.stop()[0])
     return times
 
 
@@ -98,22 +159,30 @@ def max_over_ranks(
 
 
 def median_seconds(
-    fn: Callable[[], object], iters: int, device: torch.device, group: dist.ProcessGroup | None = None
+    fn: Callable[[], object],
+    iters: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    *,
+    warmup: int = 1,
+    barrier: bool = True,
+    over_ranks: bool = True,
 ) -> float:
-    """The slowest rank's median time of ``fn``, in seconds.
+    """The median time of ``fn``, in seconds: by default the slowest rank's.
 
-    Each rank takes the median of ``iters`` timed calls (after one warm-up; every call started
-    together and synchronised, see :func:`iteration_seconds`); the result is the largest of
-    these medians over the ranks of ``group`` -- a collective finishes when its slowest rank
-    does. A collective itself; without a process group, this process's median.
+    Each rank takes the median of ``iters`` timed calls after ``warmup`` untimed ones (see
+    :func:`iteration_seconds` for ``barrier`` and ``group``). With ``over_ranks`` the result is
+    the largest of these medians over the ranks of ``group`` -- a collective finishes when its
+    slowest rank does -- and the call is a collective itself; without it, or without a process
+    group, this process's own median.
 
     Raises:
         ValueError: if ``iters < 1``.
     """
     if iters < 1:
         raise ValueError(f"median_seconds needs iters >= 1 timed calls, got iters={iters}")
-    mine = statistics.median(iteration_seconds(fn, iters, device, group=group))
-    return max_over_ranks([mine], device, group)[0]
+    mine = statistics.median(iteration_seconds(fn, iters, device, warmup=warmup, barrier=barrier, group=group))
+    return max_over_ranks([mine], device, group)[0] if over_ranks else mine
 
 
 class StorageTracker(TorchDispatchMode):
@@ -217,6 +286,8 @@ class PeakMemory:
 
     Attributes:
         peak: the bytes, set when the block exits normally (``None`` until then, or if unknown).
+        start_bytes: CUDA: the bytes allocated when the block started (``peak`` is above them);
+            ``None`` on the CPU.
 
     Example::
 
@@ -226,16 +297,30 @@ class PeakMemory:
     """
 
     def __init__(self, device: torch.device, *, resident: bool = False) -> None:
-        self.device, self.resident = device, resident
+        self.device, self.resident = torch.device(device), resident
         self.peak: int | None = None
+        self.start_bytes: int | None = None
         self._base: int | None = None
+        self._end: int | None = None
         self._tracker: StorageTracker | None = None
+
+    def held(self) -> int | None:
+        """Bytes of what the block allocated that are still held: on CUDA those allocated at its
+        exit above its start; on the CPU (``resident=False``) the storages it created that are
+        alive now. ``peak - held()`` is the block's transient memory. ``None`` for the resident
+        set."""
+        if self._tracker is not None:
+            self._tracker._sweep()
+            return self._tracker.current
+        if self.device.type == "cuda" and self._end is not None and self._base is not None:
+            return self._end - self._base
+        return None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
+            self._base = self.start_bytes = torch.cuda.memory_allocated(self.device)
         elif self.resident:
             try:
                 _release_free_memory()
@@ -260,6 +345,7 @@ class PeakMemory:
         elif self.device.type == "cuda":
             sync(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self._end = torch.cuda.memory_allocated(self.device)
         else:
             self.peak = _proc_status("VmHWM") - self._base
 
