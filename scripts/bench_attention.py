@@ -56,12 +56,10 @@ speedup and peak memory against the single-device baseline (or, without it, the 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
-import os
 import statistics
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -72,15 +70,10 @@ from seqpar.parallel import ring as ring_module
 from seqpar.placement import Mask, Placement, head_assignments, ring_plan
 from seqpar.placement.ring import tile_pairs
 from seqpar.tools.bench import (
-    HelpFormatter,
-    add_plot_argument,
-    emit,
+    Ranks,
     few_iterations_warning,
-    plain,
-    plot_bars,
-    table,
+    inputs,
     time_sharing_warning,
-    under_torchrun,
     usable_cores,
 )
 from seqpar.tools.one_rank import instrument
@@ -91,6 +84,7 @@ from seqpar.tools.profiling import (
     maxrss_bytes,
     median_seconds,
 )
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)
@@ -171,10 +165,9 @@ def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
 
 
 def _inputs(p: dict, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator(device="cpu").manual_seed(p["seed"])
-    B, S, H, Hkv, D = p["batch"], p["seq_len"], p["heads"], p["kv_heads"], p["head_dim"]
-    shapes = [(B, S, H, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, H, D)]
-    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+    """The whole problem's q, k, v, dout ``[B, S, H(kv), D]`` (``seqpar.tools.bench.inputs``)."""
+    return inputs((p["batch"], p["seq_len"]), p["heads"], p["kv_heads"], p["head_dim"], seed=p["seed"],
+                  device=device, dtype=dtype)
 
 
 class _SendCounter:
@@ -519,7 +512,7 @@ def _text(report: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--world", type=int, default=4, help="CPU ranks to spawn (default: 4, or R*U with --ring/--ulysses)")
     parser.add_argument("--ring", type=int, default=None, help="measure only ring size R (with --ulysses, default: 1)")
     parser.add_argument("--ulysses", type=int, default=None, help="measure only Ulysses size U (with --ring, default: 1)")
@@ -543,9 +536,8 @@ def main() -> None:
                         help="measure peak memory in an extra iteration (default: on, off with --window)")
     parser.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the ring's kernel efficiency (default: on, off with --window)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "the window/full ratios per configuration with --window, else the speedup and "
-                      "peak memory vs one device")
+    add_output_arguments(parser, "the window/full ratios per configuration with --window, else the speedup and "
+                         "peak memory vs one device")
     args = parser.parse_args()
 
     if args.window is not None:
@@ -558,52 +550,37 @@ def main() -> None:
             )
     if args.iters < 1:
         raise SystemExit(f"--iters must be >= 1, got {args.iters}")
-    torchrun = under_torchrun()
-    device = "cuda" if torchrun and torch.cuda.is_available() else "cpu"
     compare = args.window is not None
-    p = {
-        "batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
-        "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
-        "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-        "causal": args.causal or compare, "window": args.window, "backend": args.backend,
-        "iters": args.iters, "warmup": args.warmup, "seed": args.seed, "device": device,
-        "memory": not compare if args.memory is None else args.memory,
-        "efficiency": not compare if args.efficiency is None else args.efficiency,
-        "cpu_cores": usable_cores(), "threads_per_rank": 1,
-    }
     run_single = not compare if args.single is None else args.single
-
-    if torchrun:
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-        world = dist.get_world_size()
-        p["threads_per_rank"] = torch.get_num_threads()
-        configs = _configs(world, args.ring, args.ulysses)
-        # Every rank runs the baseline at once (one GPU each), then the configurations.
-        single = single_device(p, torch.device(device)) if run_single else None
-        rows = bench_rank(p, configs)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rows)
-        dist.destroy_process_group()
-        if int(os.environ.get("RANK", "0")) != 0:
-            return
-    else:
-        from seqpar.tools.testing import DistPool
-
-        if args.ring is not None or args.ulysses is not None:
-            world = (args.ring or 1) * (args.ulysses or 1)
+    # Local ranks: R * U of --ring/--ulysses, else --world (ignored under torchrun).
+    world = (args.ring or 1) * (args.ulysses or 1) if args.ring is not None or args.ulysses is not None else args.world
+    with Ranks(world, timeout_s=3600) as ranks:
+        device = ranks.device.type
+        p = {
+            "batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
+            "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
+            "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+            "causal": args.causal or compare, "window": args.window, "backend": args.backend,
+            "iters": args.iters, "warmup": args.warmup, "seed": args.seed, "device": device,
+            "memory": not compare if args.memory is None else args.memory,
+            "efficiency": not compare if args.efficiency is None else args.efficiency,
+            "cpu_cores": usable_cores(), "threads_per_rank": 1,
+        }
+        if ranks.torchrun:
+            p["threads_per_rank"] = torch.get_num_threads()
         else:
-            world = args.world
-        configs = _configs(world, args.ring, args.ulysses)
-        torch.set_num_threads(1)  # as each rank (DistPool sets one thread per rank)
-        single = single_device(p, torch.device("cpu")) if run_single else None
-        with DistPool(world, timeout_s=3600) as pool:
-            gathered = pool.run(bench_rank, p, configs)
+            torch.set_num_threads(1)  # as each rank (DistPool sets one thread per rank)
+        configs = _configs(ranks.world, args.ring, args.ulysses)
+        # Under torchrun every rank runs the baseline at once (one GPU each), else this process alone;
+        # then the configurations on every rank.
+        single = single_device(p, ranks.device) if run_single else None
+        gathered = ranks.run(bench_rank, p, configs)
+    if ranks.rank != 0:
+        return
+    world = ranks.world
     report = _summarise(p, single, gathered, configs, world)
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
     notes = [
-        time_sharing_warning(ranks_per_node * p["threads_per_rank"], p["cpu_cores"], device),
+        time_sharing_warning(ranks.ranks_per_node * p["threads_per_rank"], p["cpu_cores"], device),
         few_iterations_warning(args.iters),
     ]
     if compare:
@@ -615,8 +592,7 @@ def main() -> None:
         notes.append("speedup vs single: the single-device baseline runs alone on one thread while the "
                      f"{world} ranks share {p['cpu_cores']} core(s); it is not a parallel speedup")
     notes.append(_bytes_check(report))
-    chart = None if args.plot is None else functools.partial(plot_bars, args.plot, *_chart(report))
-    emit(report, _text(report), notes, args.json, plot=chart)
+    emit(report, _text(report), notes, args.json, plot=chart(args.plot, *_chart(report)))
 
 
 def _chart(report: dict) -> tuple[str, list[str], dict[str, list[float | None]], str]:

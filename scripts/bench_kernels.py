@@ -40,16 +40,9 @@ from collections.abc import Callable
 import torch
 
 from seqpar.backends import get_backend
-from seqpar.tools.bench import (
-    HelpFormatter,
-    add_plot_argument,
-    emit,
-    plain,
-    plot_bars,
-    table,
-    usable_cores,
-)
+from seqpar.tools.bench import usable_cores
 from seqpar.tools.profiling import iteration_seconds
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 
 def _best_times(fns: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
@@ -155,7 +148,7 @@ def _bench_window(name: str, device: torch.device, dtype: torch.dtype, s: int, w
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--backend", default="cpu", help="kernel backend")
     parser.add_argument("--device", default="cpu", help="device")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: both)")
@@ -169,8 +162,7 @@ def main() -> None:
                         help="run the varlen scenarios")
     parser.add_argument("--windows", default="4096:512,8192:1024",
                         help="S:W causal sliding-window blocks to time ('' for none)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "varlen / nxL and window / eq per scenario, forward and forward+backward")
+    add_output_arguments(parser, "varlen / nxL and window / eq per scenario, forward and forward+backward")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -241,9 +233,8 @@ def main() -> None:
                      "kernels time-share; pass --threads")
     labels = [f"varlen/nxL {r['dtype']} {r['scenario']}{' causal' if r['causal'] else ''}" for r in varlen_rows]
     labels += [f"window/eq {r['dtype']} S={r['seq_len']} W={r['window']}" for r in window_rows]
-    chart = None if args.plot is None or not labels else functools.partial(
-        plot_bars,
-        args.plot,
+    plot = chart(
+        args.plot if labels else None,
         f"backend={args.backend} device={device} H={h} Hkv={hkv} D={d} threads={torch.get_num_threads()}: varlen "
         "vs one dense [n, L_rms] call (nxL), causal window vs a non-causal call of equal attended pairs (eq); "
         f"min of {args.rounds} runs",
@@ -257,7 +248,7 @@ def main() -> None:
     if args.plot is not None and not labels:
         notes.append("--plot: nothing was timed (--no-varlen and no --windows), no chart written")
     emit({"settings": settings, "varlen": varlen_rows, "windows": window_rows}, "\n".join(parts), notes, args.json,
-         plot=chart)
+         plot=plot)
 
 
 if __name__ == "__main__":

@@ -12,27 +12,18 @@ that machine noise hits both alike; the reported ratio is the median over rounds
 
 from __future__ import annotations
 
-import argparse
-import functools
 import statistics
 
 import torch
 
 import seqpar
 from seqpar.backends import get_backend
-from seqpar.tools.bench import (
-    HelpFormatter,
-    add_plot_argument,
-    emit,
-    plain,
-    plot_bars,
-    table,
-)
 from seqpar.tools.profiling import median_seconds
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=64, help="tokens")
     parser.add_argument("--heads", type=int, default=8, help="heads")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim")
@@ -40,8 +31,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--iters", type=int, default=50, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "the seqpar / backend time ratio of every round and their median")
+    add_output_arguments(parser, "the seqpar / backend time ratio of every round and their median")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -81,8 +71,7 @@ def main() -> None:
               "ratio": ratio, "rounds": [{"seqpar_s": a, "kernel_s": b, "ratio": r} for a, b, r in rounds]}
     notes = ["ratio = median over interleaved rounds of (median seqpar call / median direct backend call); "
              "the difference is validation, plan lookup and the autograd function"]
-    chart = None if args.plot is None else functools.partial(
-        plot_bars,
+    plot = chart(
         args.plot,
         f"seqpar.attention / direct {backend.name} calls, forward+backward, B=1 S={args.seq_len} H={args.heads} "
         f"D={args.head_dim} {args.dtype}, causal, {args.threads} thread(s); median of {args.iters} calls per round",
@@ -90,7 +79,7 @@ def main() -> None:
         {"seqpar / backend": [r[2] for r in rounds] + [ratio]},
         "time ratio (1.0 = no overhead)",
     )
-    emit(report, text, notes, args.json, plot=chart)
+    emit(report, text, notes, args.json, plot=plot)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ gradients. Rank 0 compares both with the model on one device (exit status 1 abov
 timm imports torchvision at import time. Where no torchvision works with the installed torch
 (a CPU-only torch for which the registry has no torchvision build), ``--torchvision-stand-in``
 imports timm behind a stand-in whose every object raises when used; the ViT and EVA models never
-use it. Without ``torchrun`` the ranks are local gloo processes (``seqpar.tools.testing.DistPool``).
+use it. Without ``torchrun`` the ranks are local gloo processes (``seqpar.tools.bench.Ranks``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.tools.bench import HelpFormatter, check_on_ranks, plain
+from seqpar.tools.bench import check_on_ranks
+from seqpar.tools.report import script_parser
 
 
 class _Absent:
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--model", choices=["vit", "deit", "eva02"], default="vit", help="model family")
     p.add_argument("--world", type=int, default=2, help="local gloo ranks (ignored under torchrun)")
     p.add_argument("--ring", type=int, default=1, help="ring size R")

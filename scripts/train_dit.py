@@ -28,8 +28,8 @@ import sys
 import torch
 
 import seqpar
-from seqpar.tools.bench import HelpFormatter, plain
 from seqpar.tools.models import VideoDiT, patchify
+from seqpar.tools.report import script_parser
 from seqpar.tools.train_harness import (
     Plot,
     add_check_args,
@@ -43,7 +43,7 @@ from seqpar.training import sharded_mean, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     add_parallel_args(p)
     p.add_argument(
         "--grid", type=int, nargs=3, default=(13, 9, 15), metavar=("T", "H", "W"), help="token grid"

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar.integrations.transformers import register
-from seqpar.tools.bench import HelpFormatter, plain
 from seqpar.tools.models import tiny_llama_config
+from seqpar.tools.report import script_parser
 from seqpar.tools.train_harness import (
     Plot,
     add_check_args,
@@ -42,7 +42,7 @@ from seqpar.training import sharded_cross_entropy, shift_labels, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     add_parallel_args(p)
     p.add_argument("--seq-len", type=int, default=1023, help="tokens per sequence (any length)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step and DP replica")

@@ -1,44 +1,36 @@
-"""What every benchmark under ``scripts/`` shares: the launcher test, core counts, warnings about
-measurements that would mislead, ``RxU`` parsing, plain-text tables, the JSON output, the
-``--plot`` chart and readable ``--help``.
+"""What the benchmarks under ``scripts/`` share: where their ranks run, their inputs, core
+counts, warnings about measurements that would mislead and ``RxU`` parsing.
 
-Every benchmark prints a readable table, then its notes and warnings, then the whole report as
-JSON on the **last line** of its output (``python scripts/bench_x.py | tail -n 1`` is
-machine-readable); ``--json PATH`` also writes it, indented, to a file, and ``--plot PATH`` saves
-a bar chart of its main ratios (:func:`plot_bars`; needs matplotlib, the ``train`` extra).
-
-The training and example scripts use :func:`plain` and :class:`HelpFormatter` for their
-``--help`` too.
+A benchmark runs the same function on every rank with :class:`Ranks`: under ``torchrun`` this
+process is one rank (NCCL on its GPU, or gloo), otherwise it is the parent of local gloo ranks
+(``seqpar.tools.testing.DistPool``); either way ``ranks.run(fn, ...)`` returns every rank's result
+in rank order. :func:`torchrun_group` is the torchrun half alone (the training scripts use it).
+What they print is in :mod:`seqpar.tools.report`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import importlib.util
-import json
-import math
 import os
-import re
-import textwrap
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 __all__ = [
     "under_torchrun",
+    "torchrun_group",
+    "Ranks",
+    "check_on_ranks",
+    "inputs",
     "usable_cores",
     "time_sharing_warning",
     "few_iterations_warning",
     "parse_configs",
-    "table",
-    "emit",
-    "plain",
-    "HelpFormatter",
-    "add_plot_argument",
-    "plot_bars",
 ]
-
-_MATPLOTLIB_MISSING = 'matplotlib is not installed; install it with: pip install -e ".[train]"'
 
 
 def under_torchrun() -> bool:
@@ -46,27 +38,155 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _torchrun_device(device: str) -> torch.device:
+    """This torchrun rank's device: ``cuda:LOCAL_RANK`` for ``"cuda"`` (and ``"auto"`` with CUDA
+    available), else the CPU."""
+    kind = torch.device(device).type if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available (torch.cuda.is_available() is False)")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if kind != "cpu":
+        raise ValueError(f"device={device!r}: expected 'auto', 'cuda' or 'cpu'")
+    return torch.device("cpu")
+
+
+@contextmanager
+def torchrun_group(
+    device: str = "auto", *, timeout_s: float | None = None, split_cpu_threads: bool = False
+) -> Iterator[torch.device]:
+    """This torchrun rank's default process group for the block; yields the rank's device.
+
+    ``device``: ``"auto"`` (CUDA when available), ``"cuda"`` or ``"cpu"``. On CUDA the rank uses
+    ``cuda:LOCAL_RANK`` and NCCL; on the CPU gloo, and with ``split_cpu_threads`` the node's cores
+    are split evenly between its ``LOCAL_WORLD_SIZE`` ranks. ``timeout_s``: the collectives'
+    timeout (``None``: torch's default). At exit the ranks leave together -- a gloo rank that tears
+    down while its peers still use their connections can abort ("terminate called without an
+    active exception") -- and the group is destroyed; after an exception it is only destroyed.
+
+    Raises:
+        ValueError: for an unknown ``device``, or ``"cuda"`` without CUDA.
+    """
+    rank_device = _torchrun_device(device)
+    if rank_device.type == "cuda":
+        torch.cuda.set_device(rank_device)
+    elif split_cpu_threads:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if rank_device.type == "cuda" else "gloo", timeout=timeout)
+    try:
+        yield rank_device
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class Ranks:
+    """The ranks a benchmark runs on: this ``torchrun`` job's, or ``world`` local gloo ranks.
+
+    ::
+
+        with Ranks(args.world) as ranks:
+            results = ranks.run(measure, args)  # on every rank; every rank's result, in rank order
+            if ranks.rank == 0:
+                print(results)
+
+    Under ``torchrun`` (``torchrun=None``: :func:`under_torchrun`) this process is one rank of the
+    job (:func:`torchrun_group` with ``device``): :meth:`run` calls the function here and gathers
+    every rank's result (``all_gather_object``). Otherwise this process is the parent of a
+    ``DistPool`` of ``world`` CPU processes, spawned at the first :meth:`run`; ``device`` is then
+    the CPU whatever was asked. ``timeout_s`` is the collectives' timeout either way.
+
+    Attributes:
+        torchrun: which of the two.
+        world: the number of ranks (``torchrun``'s world size, or ``world``).
+        rank: this process's rank (0 for the parent of local ranks).
+        device: this rank's device (``cuda:LOCAL_RANK`` or the CPU); local ranks run on the CPU.
+        ranks_per_node: ranks sharing this machine's cores (``LOCAL_WORLD_SIZE`` under torchrun).
+
+    Raises:
+        ValueError: without ``world`` outside torchrun, or for a ``world`` below 1.
+    """
+
+    def __init__(
+        self, world: int | None, *, device: str = "auto", timeout_s: float = 600.0, torchrun: bool | None = None
+    ) -> None:
+        self.torchrun = under_torchrun() if torchrun is None else torchrun
+        if not self.torchrun and (world is None or world < 1):
+            raise ValueError(f"Ranks: local ranks need a world of at least 1, got world={world!r}")
+        self.world = world or 0
+        self.rank = 0
+        self.device = torch.device("cpu")
+        self.ranks_per_node = self.world
+        self._device, self._timeout_s = device, timeout_s
+        self._group: Any = None
+        self._pool: Any = None
+
+    def __enter__(self) -> Ranks:
+        if self.torchrun:
+            self._group = torchrun_group(self._device, timeout_s=self._timeout_s)
+            self.device = self._group.__enter__()
+            self.world, self.rank = dist.get_world_size(), dist.get_rank()
+            self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        else:
+            from .testing import DistPool
+
+            self._pool = DistPool(self.world, timeout_s=self._timeout_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._group is not None:
+            group, self._group = self._group, None
+            group.__exit__(*exc)
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.close()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; every rank's result, in rank order.
+
+        For local ranks ``fn`` must be importable by name and picklable with its arguments
+        (``DistPool``). Under torchrun every rank must call it (a collective).
+        """
+        if self._pool is not None:
+            return self._pool.run(fn, *args, **kwargs)
+        if self._group is None:
+            raise RuntimeError("Ranks.run: use the Ranks object inside its with block")
+        mine = fn(*args, **kwargs)
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+
 def check_on_ranks(run: Callable[[argparse.Namespace], float], args: argparse.Namespace) -> None:
     """Run ``run(args)`` on every rank -- this process's under ``torchrun`` (gloo), else ``args.world``
-    local gloo ranks -- with ``args.ulysses`` defaulting to ``world // args.ring``; exit with
-    ``FAILED`` when any rank's error exceeds ``args.tol``, else print ``OK`` on rank 0."""
-    import torch.distributed as dist
-
-    if under_torchrun():
-        dist.init_process_group("gloo")
-        args.ulysses = args.ulysses or dist.get_world_size() // args.ring
-        errors = [run(args)]
-        dist.destroy_process_group()
-    else:
-        from .testing import DistPool
-
-        args.ulysses = args.ulysses or args.world // args.ring
-        with DistPool(args.world) as pool:
-            errors = pool.run(run, args)
+    local gloo ranks (:class:`Ranks`) -- with ``args.ulysses`` defaulting to ``world // args.ring``;
+    exit with ``FAILED`` when any rank's error exceeds ``args.tol``, else print ``OK`` on rank 0."""
+    with Ranks(args.world, device="cpu") as ranks:
+        args.ulysses = args.ulysses or ranks.world // args.ring
+        errors = ranks.run(run, args)
     if max(errors) > args.tol:
         raise SystemExit(f"FAILED: max relative error {max(errors):.1e} > --tol {args.tol}")
-    if os.environ.get("RANK", "0") == "0":
+    if ranks.rank == 0:
         print("OK: the parallel model matches one device")
+
+
+def inputs(
+    leading: Sequence[int], heads: int, kv_heads: int, head_dim: int, *, seed: int = 0,
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """Random ``q``, ``k``, ``v``, ``dout`` of an attention problem.
+
+    Shapes ``[*leading, H, D]`` for ``q`` and ``dout``, ``[*leading, Hkv, D]`` for ``k`` and ``v``
+    (``leading``: e.g. ``(B, S)`` dense, ``(T,)`` packed). Drawn in that order from a CPU generator
+    seeded ``seed``, in float32 -- the same numbers on every rank and device -- then moved to
+    ``device`` in ``dtype``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(*leading, h, head_dim, generator=gen).to(device=device, dtype=dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    ]
 
 
 def usable_cores() -> int:
@@ -116,203 +236,3 @@ def parse_configs(text: str, option: str = "--configs") -> list[tuple[int, int]]
             raise SystemExit(f"{option}: ring and ulysses sizes must be positive, got {item!r}")
         out.append((r, u))
     return out
-
-
-def table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain-text table: the first column left-aligned, the others right-aligned; floats as
-    given (format them before), ``None`` as ``-``."""
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(values, widths)))
-
-    return "\n".join([line(columns), "  ".join("-" * w for w in widths), *(line(r) for r in cells)])
-
-
-def emit(
-    report: dict,
-    text: str,
-    notes: Sequence[str | None] = (),
-    json_path: str | Path | None = None,
-    plot: Callable[[], object] | None = None,
-) -> None:
-    """Print ``text`` (the tables), the non-empty ``notes``, then ``report`` as one JSON line.
-
-    ``report`` gets a ``"notes"`` entry with the notes; ``json_path`` also receives it, indented.
-    ``plot`` (``--plot``: e.g. a ``functools.partial`` of :func:`plot_bars`) is called after the
-    notes, so that the JSON line stays the last line of the output.
-    """
-    notes = [n for n in notes if n]
-    report = {**report, "notes": notes}
-    print(text)
-    for n in notes:
-        print(n)
-    if plot is not None:
-        plot()
-    if json_path is not None:
-        Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {json_path}")
-    print(json.dumps(report, separators=(",", ":")))
-
-
-# ---------------------------------------------------------------------------------------------
-# --help
-
-_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)  # inline literal: kept verbatim, backticks dropped
-_ROLE = re.compile(r":(?:[a-z]+:)?[a-z]+:`~?([^`]+)`")  # :func:`x`, :py:meth:`~a.b`
-_STRONG = re.compile(r"(?<![\w*])\*\*(?=\S)(.+?)(?<=\S)\*\*(?![\w*])")
-_EMPHASIS = re.compile(r"(?<![\w*])\*(?=[^\s*])(.+?)(?<=[^\s*])\*(?![\w*])")
-_INTERPRETED = re.compile(r"(?<![\w`])`([^`\s][^`]*)`(?![\w`])")  # `x`
-_LITERAL_BLOCK = re.compile(r"(\S)::$|^\s*::$", re.MULTILINE)  # "Examples::" -> "Examples:"
-
-
-def plain(doc: str) -> str:
-    """``doc`` (a reStructuredText docstring) as plain text for ``--help``.
-
-    Inline literals (double backticks), roles (``:func:`x```), interpreted text (single
-    backticks) and emphasis (``*x*``, ``**x**``) become their text; a paragraph ending in ``::``
-    ends in ``:``. Text inside inline literals is kept as written (``len**2`` stays), and so is
-    everything else: line breaks, indentation, lists.
-    """
-    parts = _LITERAL.split(doc.strip("\n"))
-    for i in range(0, len(parts), 2):  # even parts are outside inline literals
-        text = _ROLE.sub(r"\1", parts[i])
-        text = _STRONG.sub(r"\1", text)
-        text = _EMPHASIS.sub(r"\1", text)
-        text = _INTERPRETED.sub(r"\1", text)
-        parts[i] = _LITERAL_BLOCK.sub(lambda m: m.group(1) + ":" if m.group(1) else "", text)
-    return "".join(parts)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """``--help`` that keeps the description's line breaks and shows every option's default.
-
-    The default is appended as ``(default: X)`` unless the option's help already mentions one
-    (``"tokens (default 64)"``, ``"default: --heads"``). Not shown: ``None`` (no default) and the
-    ``False``/``True`` of a plain on/off flag (``store_true``); an option without help text gets
-    just its default.
-    """
-
-    @staticmethod
-    def _shown_default(action: argparse.Action) -> str | None:
-        default = action.default
-        if default is None or default is argparse.SUPPRESS:
-            return None
-        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
-            return None  # store_true / store_false / store_const / count / help
-        if isinstance(default, (list, tuple)):
-            return " ".join(map(str, default))
-        return repr(default) if default == "" else str(default)
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        shown = self._shown_default(action)
-        if shown is None or re.search(r"\bdefault", text, re.IGNORECASE):
-            return text
-        suffix = f"(default: {shown})".replace("%", "%%")
-        return f"{text} {suffix}" if text else suffix
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if not action.help and self._shown_default(action) is not None:
-            action = copy.copy(action)  # argparse prints no help line for help=None
-            action.help = self._get_help_string(action)
-        return super()._format_action(action)
-
-
-# ---------------------------------------------------------------------------------------------
-# --plot
-
-
-def _plot_path(text: str) -> str:
-    """``--plot``'s type: fails at parse time (not after the run) without matplotlib or with a
-    missing folder."""
-    if not text:
-        raise argparse.ArgumentTypeError("expected an image file path, e.g. chart.png")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise argparse.ArgumentTypeError(_MATPLOTLIB_MISSING)
-    folder = Path(text).expanduser().parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"folder {str(folder)!r} does not exist")
-    return text
-
-
-def add_plot_argument(parser: argparse.ArgumentParser, chart: str) -> None:
-    """Add ``--plot PATH``: save a bar chart of ``chart`` (what the benchmark plots) to ``PATH``."""
-    parser.add_argument(
-        "--plot", metavar="PATH", type=_plot_path, default=None,
-        help=f"save a bar chart of {chart} to this image (PNG, SVG or PDF, by suffix); needs matplotlib: "
-        'pip install -e ".[train]"',
-    )
-
-
-def plot_bars(
-    path: str | Path,
-    title: str,
-    labels: Sequence[str],
-    series: dict[str, Sequence[float | None]],
-    value_label: str,
-    reference_line: float | None = 1.0,
-    value_format: str = ".3f",
-) -> None:
-    """Save a horizontal grouped bar chart: one row per label, one bar per series, each bar
-    annotated with its value.
-
-    With ``reference_line`` (e.g. 1.0 for a ratio: parity, the ideal) the bars start at that
-    value, drawn as a dashed line, so a bar's length and direction show how far a ratio is from
-    it; without, they start at 0. A ``None`` or NaN value draws no bar (its row says ``n/a``), nor
-    does an infinite one (written as ``inf``).
-
-    Args:
-        path: the image file; its suffix picks the format (``.png``, ``.svg``, ``.pdf``).
-        labels: the rows, top to bottom (e.g. configurations).
-        series: legend name -> one value per label.
-        value_label: the axis title of the values.
-        value_format: how each bar's value is written (as in the benchmark's table).
-
-    Raises:
-        SystemExit: when matplotlib is not installed.
-        ValueError: when a series does not have one value per label.
-    """
-    for name, values in series.items():
-        if len(values) != len(labels):
-            raise ValueError(f"plot_bars: series {name!r} has {len(values)} values for {len(labels)} labels")
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit(f"--plot: {_MATPLOTLIB_MISSING}") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    base = 0.0 if reference_line is None else reference_line
-    n, k = len(labels), max(1, len(series))
-    bar = 0.8 / k
-    width = max(8.0, 4.5 + 0.065 * max(map(len, labels), default=0))  # room for long row labels
-    fig, ax = plt.subplots(figsize=(width, 1.6 + n * (0.22 * k + 0.12)))
-    finite = [base]
-    for j, (name, values) in enumerate(series.items()):
-        vals = [math.nan if v is None else float(v) for v in values]
-        pos = [i - 0.4 + bar * (j + 0.5) for i in range(n)]
-        widths = [v - base if math.isfinite(v) else 0.0 for v in vals]
-        bars = ax.barh(pos, widths, height=bar, left=base, label=name)
-        texts = ["n/a" if math.isnan(v) else format(v, value_format) for v in vals]
-        ax.bar_label(bars, labels=texts, padding=2, fontsize=7)
-        finite += [v for v in vals if math.isfinite(v)]
-    low, high = min(finite), max(finite)
-    # Never zoom in below 5% of the values: a 1.00004 next to 1.0 must not look like a big gap.
-    span = max(high - low, 0.05 * max(abs(low), abs(high))) or 1.0
-    ax.set_xlim(low - 0.12 * span, high + 0.12 * span)
-    ax.ticklabel_format(axis="x", useOffset=False)
-    if reference_line is not None:
-        ax.axvline(reference_line, color="0.3", linestyle="--", linewidth=1)
-    ax.set_yticks(range(n), labels, fontsize=8)
-    ax.set_ylim(n - 0.5, -0.5)  # first label on top
-    ax.set_xlabel(value_label)
-    fig.suptitle(textwrap.fill(title, int(width * 12)), fontsize=9)
-    ax.grid(axis="x", alpha=0.3)
-    if len(series) > 1:
-        ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=min(len(series), 4), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")

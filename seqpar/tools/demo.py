@@ -182,7 +182,7 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
             "dv": v.grad.cpu(),
         }
         torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-        dist.barrier()  # tear down together (see seqpar/tools/train_harness.py)
+        dist.barrier()  # tear down together (see seqpar.tools.bench.torchrun_group)
         state.close()
     finally:
         dist.destroy_process_group()
