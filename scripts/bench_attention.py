@@ -20,7 +20,7 @@ and mask the script reports:
 sliding-window attention (window ``(W, 0)``: query ``i`` sees keys ``i-W .. i``), and prints
 window/full ratios of FLOPs, ring bytes and time.
 
-What is counted (plan figures):
+What is counted (plan figures, ``seqpar.placement.cost``, Note [Plan cost]):
 
 - pairs: ``sum(tile_pairs(step.tiles))`` over the ring steps of the rank's plan, times its
   heads ``H_u`` and ``B``: the (query, key, head) triples the mask attends, not what a kernel
@@ -67,8 +67,8 @@ import torch.distributed as dist
 import seqpar
 from seqpar.backends import KernelBackend, get_backend
 from seqpar.parallel import ring as ring_module
-from seqpar.placement import Mask, Placement, head_assignments, ring_plan
-from seqpar.placement.ring import tile_pairs
+from seqpar.placement import Mask, Placement
+from seqpar.placement.cost import plan_costs
 from seqpar.tools.bench import (
     Ranks,
     few_iterations_warning,
@@ -99,40 +99,25 @@ def _masks(p: dict) -> list[tuple[str, dict]]:
 
 
 def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
-    """Per CP rank (``cp_rank`` order): attended pairs, forward kernel FLOPs and ring bytes sent.
+    """Per CP rank (``cp_rank`` order): attended pairs, forward kernel FLOPs and ring bytes sent
+    (``seqpar.placement.cost.plan_costs``, Note [Plan cost]).
 
     See the module docstring for what is counted.
     """
-    S, B, D, H, Hkv = p["seq_len"], p["batch"], p["head_dim"], p["heads"], p["kv_heads"]
+    S, B = p["seq_len"], p["batch"]
     mask = Mask(mask_kwargs["causal"], mask_kwargs.get("window", (-1, -1))).normalised(S)
-    placement = Placement.dense(S, R, U)
-    heads = head_assignments(H, Hkv, U)
     itemsize = torch.empty(0, dtype=getattr(torch, p["dtype"])).element_size()
-    per_ring = []
-    for r in range(R):
-        plan = ring_plan(placement, r, mask, varlen=B == 1)
-        per_ring.append({
-            "pairs_per_head": sum(tile_pairs(s.tiles) for s in plan.steps),
-            "send_rows": sum(b - a for s in plan.steps for a, b in s.send_rows),
-            "recv_rows": sum(b - a for s in plan.steps for a, b in s.recv_rows),
-            "kernel_calls": sum(len(s.calls) for s in plan.steps),
-            "active_steps": sum(1 for s in plan.steps if s.calls),
-        })
-    ranks = []
-    for r in range(R):
-        for u in range(U):
-            h_q, h_kv = heads[u].q_len, heads[u].kernel_kv_heads if heads[u].q_len else 0
-            row = (2 * D) * B * h_kv  # K and V of one token (D + Dv, Dv = D here)
-            f = per_ring[r]
-            kv_fwd = f["send_rows"] * row * itemsize
-            ranks.append({
-                "pairs": f["pairs_per_head"] * h_q * B,
-                "fwd_flops": 4 * D * f["pairs_per_head"] * h_q * B,
-                "ring_kv_bytes_fwd": kv_fwd,
-                "ring_bytes_bwd": kv_fwd + f["recv_rows"] * row * itemsize,
-                "kernel_calls_fwd": f["kernel_calls"],
-                "active_steps": f["active_steps"],
-            })
+    costs = plan_costs(Placement.dense(S, R, U), mask, p["heads"], p["kv_heads"], p["head_dim"], batch=B,
+                       element_size=itemsize, varlen=B == 1)
+    ranks = [{
+        "pairs": c.pairs,
+        "fwd_flops": c.fwd_flops,
+        "ring_kv_bytes_fwd": c.ring_kv_bytes_fwd,
+        "ring_bytes_bwd": c.ring_bytes_bwd,
+        "kernel_calls_fwd": c.kernel_calls_fwd,
+        "active_steps": c.active_steps,
+    } for c in costs]
+
     def total(key: str) -> int:
         return sum(x[key] for x in ranks)
 

@@ -36,6 +36,7 @@ ALIASES = {
 LIBRARY = [
     "seqpar",
     "seqpar.planner",
+    "seqpar.placement.cost",
     "seqpar.training",
     "seqpar.sdpa",
     "seqpar.compiled",

@@ -39,6 +39,7 @@ from ..backends import get_backend
 from ..comm import Workspace, all_to_all, group_rank, group_size, post, reduce_
 from ..parallel.ring import RingRun, ring_attention
 from ..placement import Mask, Placement, ring_plan
+from ..placement.cost import kernel_flops, square_pairs
 from .profiling import median_seconds, sync
 from ..state import ParallelState, require_state
 from ..planner.cost import KINDS, CostModel, KernelRates, Link
@@ -236,8 +237,9 @@ def _model(
     latency = max(0.0, min(t["alone.kernel.small.fwd"], t["alone.kernel.small.bwd"]))
     n, _ = cases["full"]
     (_, (left, _)) = cases["window"]
-    pairs = {"full": n * n, "causal": n * (n + 1) // 2, "window": sum(min(i, left) + 1 for i in range(n))}
-    per_pair = {"fwd": 4 * heads * head_dim, "bwd": 10 * heads * head_dim}
+    pairs = {"full": square_pairs(n, False), "causal": square_pairs(n, True),
+             "window": sum(min(i, left) + 1 for i in range(n))}
+    per_pair = {"fwd": kernel_flops(heads, head_dim), "bwd": kernel_flops(heads, head_dim, backward=True)}
     seconds = {(k, d): max(t[f"alone.kernel.{k}.{d}"] - latency, 1e-9) for k in KINDS for d in per_pair}
     rate = {d: per_pair[d] * pairs["full"] / seconds["full", d] for d in per_pair}
     rates = {}

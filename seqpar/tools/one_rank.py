@@ -19,8 +19,8 @@ What that measures, and what it does not:
   launch gaps) with communication free; a real run adds the transfer time the ring's overlap
   does not hide and the all-to-all time. CUDA events on a GPU, ``perf_counter`` on the CPU;
   median of ``iters`` after ``warmup`` iterations;
-- **FLOPs** of the rank, from the plan (``seqpar.placement.attention_work``): ``4 * D`` per
-  attended (query, key, head) triple forward, ``2.5x`` that backward (the flash-attn
+- **FLOPs** of the rank, from the plan (``seqpar.placement.cost``, Note [Plan cost]): ``4 * D``
+  per attended (query, key, head) triple forward, ``2.5x`` that backward (the flash-attn
   convention), so TFLOP/s count useful work only;
 - **efficiency**: (rank FLOPs / rank time) / (monolithic FLOPs / monolithic time), where the
   monolithic reference is ONE call of the same backend's forward and backward on a dense block
@@ -86,6 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..placement.cost import kernel_flops, square_pairs
 from .profiling import CollectiveRecorder, PeakMemory, PhaseTimer, sync
 
 __all__ = [
@@ -285,11 +286,12 @@ def rank_work(config: OneRankConfig) -> dict:
     """The rank's share of the work: tokens, heads and attended pairs, and its FLOPs.
 
     ``pairs`` counts (query, key, head) triples of the rank's query heads over its ring-local
-    queries (``seqpar.placement.attention_work`` times the batch); forward FLOPs are ``4 * D *
-    pairs``, backward ``2.5x`` that.
+    queries, times the batch; forward FLOPs are ``4 * D * pairs``, backward ``2.5x`` that
+    (``seqpar.placement.cost.plan_costs``, Note [Plan cost]).
     """
+    from ..placement import Mask, Placement
+    from ..placement.cost import plan_costs
     from ..placement.heads import head_assignments
-    from ..placement import Mask, Placement, attention_work
 
     R, U = config.ring, config.ulysses
     if config.varlen:
@@ -299,19 +301,20 @@ def rank_work(config: OneRankConfig) -> dict:
     else:
         placement = Placement.dense(config.seq_len, R, U)
         mask = Mask(config.causal).normalised(config.seq_len)
-    work = attention_work(placement, mask, num_heads=config.heads)
+    costs = plan_costs(placement, mask, config.heads, config.kv_heads, config.head_dim, batch=config.batch,
+                       element_size=_DTYPES[config.dtype].itemsize)
     heads = head_assignments(config.heads, config.kv_heads, U)[config.cp_rank % U]
-    pairs = work[config.cp_rank] * config.batch
-    fwd = 4 * config.head_dim * pairs
+    mine = costs[config.cp_rank]
+    pairs = [c.pairs for c in costs]
     return {
         "local_tokens": placement.shard_lengths[config.cp_rank],
         "ring_local_tokens": placement.ring_lengths[config.cp_rank // U],
         "heads": heads.q_len,
         "kernel_kv_heads": heads.kernel_kv_heads if heads.q_len else 0,
-        "pairs": pairs,
-        "fwd_flops": fwd,
-        "bwd_flops": int(2.5 * fwd),
-        "pairs_max_over_mean": max(work) * len(work) / max(1, sum(work)),
+        "pairs": mine.pairs,
+        "fwd_flops": mine.fwd_flops,
+        "bwd_flops": mine.bwd_flops,
+        "pairs_max_over_mean": max(pairs) * len(pairs) / max(1, sum(pairs)),
     }
 
 
@@ -644,9 +647,9 @@ def _monolithic(config: OneRankConfig, work: dict, inner, device: torch.device) 
         return None
     B, H, Hkv, D = config.batch, work["heads"], work["kernel_kv_heads"], config.head_dim
     per_head = work["pairs"] // (B * H)
-    # Causal pairs of length s: s (s + 1) / 2; non-causal: s^2.
+    # The block whose pairs match (square_pairs: causal s (s + 1) / 2, non-causal s^2).
     s = max(1, round((math.sqrt(8 * per_head + 1) - 1) / 2)) if config.causal else max(1, round(math.sqrt(per_head)))
-    pairs = B * H * (s * (s + 1) // 2 if config.causal else s * s)
+    pairs = B * H * square_pairs(s, config.causal)
     dtype = _DTYPES[config.dtype]
     gen = torch.Generator(device=device).manual_seed(1)
 
@@ -668,9 +671,8 @@ def _monolithic(config: OneRankConfig, work: dict, inner, device: torch.device) 
             fwd.append(f)
             bwd.append(b)
         del out, lse
-    flops = 4 * D * pairs
-    return {"seq_len": s, "heads": H, "kv_heads": Hkv, "pairs": pairs, "fwd_flops": flops,
-            "bwd_flops": int(2.5 * flops), "fwd_ms": _median_ms(fwd), "bwd_ms": _median_ms(bwd)}
+    return {"seq_len": s, "heads": H, "kv_heads": Hkv, "pairs": pairs, "fwd_flops": kernel_flops(pairs, D),
+            "bwd_flops": kernel_flops(pairs, D, backward=True), "fwd_ms": _median_ms(fwd), "bwd_ms": _median_ms(bwd)}
 
 
 def _environment(device: torch.device) -> dict:
