@@ -1,4 +1,4 @@
-"""seqpar.one_rank: one rank of an R x U job alone in a process (fake process group) runs exactly
+"""seqpar.tools.one_rank: one rank of an R x U job alone in a process (fake process group) runs exactly
 the kernel calls and the communication of that rank in a real multi-rank run; the GPU check's
 plumbing runs end to end on the CPU (``scripts/gpu_check --cpu-smoke``)."""
 
