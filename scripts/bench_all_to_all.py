@@ -2,7 +2,7 @@
 
 For each case, every rank holds a shard and runs one ``all_to_all``; we report
 
-* ``alloc/input``: bytes of tensor storage the call created (``seqpar.profiling.StorageTracker``)
+* ``alloc/input``: bytes of tensor storage the call created (``seqpar.tools.profiling.StorageTracker``)
   over the input's bytes, largest over ranks; ``bound`` is the design bound, one staging copy
   of the input plus the output, ``(input + output) / input`` of the same rank: 2.0 when the split
   is even, more on a rank whose output is larger than its input (uneven splits);
@@ -31,32 +31,20 @@ Run:
 from __future__ import annotations
 
 import argparse
-import functools
-import os
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (  # noqa: E402
-    HelpFormatter,
-    add_plot_argument,
-    emit,
+from seqpar.comm import Workspace, all_to_all, split_sizes
+from seqpar.tools.bench import (
+    Ranks,
     few_iterations_warning,
-    plain,
-    plot_bars,
-    table,
     time_sharing_warning,
-    under_torchrun,
     usable_cores,
 )
-
-from seqpar.comm import Workspace, all_to_all, split_sizes  # noqa: E402
-from seqpar.profiling import StorageTracker, iteration_seconds, max_over_ranks  # noqa: E402
+from seqpar.tools.profiling import StorageTracker, iteration_seconds, max_over_ranks
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 
 def _cases(args: argparse.Namespace, n: int) -> list[dict]:
@@ -178,8 +166,7 @@ def _report(results: list[dict], world: int, args: argparse.Namespace, device: s
     ])
     report = {"world_size": world, "dtype": args.dtype, "device": device, "iters": args.iters,
               "cpu_cores": usable_cores(), "results": results}
-    chart = None if args.plot is None else functools.partial(
-        plot_bars,
+    plot = chart(
         args.plot,
         f"seqpar.comm.all_to_all / bare all_to_all_single over {world} ranks ({args.dtype}, {device}); slowest "
         f"rank's median of {args.iters}; on CPU read 'fresh', on CUDA 'preallocated'",
@@ -191,15 +178,11 @@ def _report(results: list[dict], world: int, args: argparse.Namespace, device: s
         },
         "time ratio (1.0 = as fast as the bare collective)",
     )
-    emit(report, text, notes, args.json, plot=chart)
-
-
-def _worker(args: argparse.Namespace) -> list[dict]:
-    return bench(args)
+    emit(report, text, notes, args.json, plot=plot)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--world", type=int, default=4, help="ranks to spawn on CPU (ignored under torchrun)")
     p.add_argument("--seq-len", type=int, default=16384, help="global tokens S")
     p.add_argument("--heads", type=int, default=16, help="heads H")
@@ -207,26 +190,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="batch of the B > 1 cases")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype")
     p.add_argument("--iters", type=int, default=10, help="timed calls per case; the median is reported")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(p, "the three time ratios (ratio, ws ratio, fresh ratio) per case")
+    add_output_arguments(p, "the three time ratios (ratio, ws ratio, fresh ratio) per case")
     args = p.parse_args()
-    if under_torchrun():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        results = bench(args)
-        if dist.get_rank() == 0:
-            world = dist.get_world_size()
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this node's cores
-            _report(results, world, args, "cuda" if backend == "nccl" else "cpu", local)
-        dist.destroy_process_group()
-        return
-    from seqpar.testing import DistPool
-
-    with DistPool(args.world, timeout_s=600) as pool:
-        results = pool.run(_worker, args)[0]
-    _report(results, args.world, args, "cpu", args.world)
+    with Ranks(args.world, timeout_s=600) as ranks:
+        results = ranks.run(bench, args)[0]
+        if ranks.rank == 0:
+            _report(results, ranks.world, args, ranks.device.type, ranks.ranks_per_node)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ S`` tokens with ``H`` heads -- split over ``R * U`` ranks, forward and backward.
 and mask the script reports:
 
 - **time**: median over ``--iters`` forward+backward iterations of the slowest rank (all ranks
-  start each iteration together, ``seqpar.profiling``); with several masks (``--window``) their
+  start each iteration together, ``seqpar.tools.profiling``); with several masks (``--window``) their
   iterations are interleaved, so drifting background load hits them alike;
 - **plan figures** (host maths, exact, from ``seqpar.placement``): attended (query, key) pairs
   and kernel FLOPs per rank, and the bytes of K/V each rank sends around the ring (below);
@@ -20,7 +20,7 @@ and mask the script reports:
 sliding-window attention (window ``(W, 0)``: query ``i`` sees keys ``i-W .. i``), and prints
 window/full ratios of FLOPs, ring bytes and time.
 
-What is counted (plan figures):
+What is counted (plan figures, ``seqpar.placement.cost``, Note [Plan cost]):
 
 - pairs: ``sum(tile_pairs(step.tiles))`` over the ring steps of the rank's plan, times its
   heads ``H_u`` and ``B``: the (query, key, head) triples the mask attends, not what a kernel
@@ -43,7 +43,7 @@ Run:
     torchrun --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the live storages created by
-ATen ops (``seqpar.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a
+ATen ops (``seqpar.tools.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a
 separate untimed iteration. With more CPU ranks than cores the ranks time-share the cores:
 compare ratios within one run (the output says so).
 
@@ -56,41 +56,35 @@ speedup and peak memory against the single-device baseline (or, without it, the 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
-import os
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (  # noqa: E402
-    HelpFormatter,
-    add_plot_argument,
-    emit,
+import seqpar
+from seqpar.backends import KernelBackend, get_backend
+from seqpar.parallel import ring as ring_module
+from seqpar.placement import Mask, Placement
+from seqpar.placement.cost import plan_costs
+from seqpar.tools.bench import (
+    Ranks,
     few_iterations_warning,
-    plain,
-    plot_bars,
-    table,
+    inputs,
     time_sharing_warning,
-    under_torchrun,
     usable_cores,
 )
-
-import seqpar  # noqa: E402
-from seqpar.backends import KernelBackend, get_backend  # noqa: E402
-from seqpar.parallel import ring as ring_module  # noqa: E402
-from seqpar.placement import head_assignments  # noqa: E402
-from seqpar.placement import Mask, Placement, ring_plan  # noqa: E402
-from seqpar.placement.ring import tile_pairs  # noqa: E402
-from seqpar.profiling import PeakMemory, iteration_seconds, max_over_ranks, maxrss_bytes  # noqa: E402
-from seqpar.one_rank import instrument  # noqa: E402
+from seqpar.tools.one_rank import instrument
+from seqpar.tools.profiling import (
+    PeakMemory,
+    iteration_seconds,
+    max_over_ranks,
+    maxrss_bytes,
+    median_seconds,
+)
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)
@@ -105,40 +99,25 @@ def _masks(p: dict) -> list[tuple[str, dict]]:
 
 
 def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
-    """Per CP rank (``cp_rank`` order): attended pairs, forward kernel FLOPs and ring bytes sent.
+    """Per CP rank (``cp_rank`` order): attended pairs, forward kernel FLOPs and ring bytes sent
+    (``seqpar.placement.cost.plan_costs``, Note [Plan cost]).
 
     See the module docstring for what is counted.
     """
-    S, B, D, H, Hkv = p["seq_len"], p["batch"], p["head_dim"], p["heads"], p["kv_heads"]
+    S, B = p["seq_len"], p["batch"]
     mask = Mask(mask_kwargs["causal"], mask_kwargs.get("window", (-1, -1))).normalised(S)
-    placement = Placement.dense(S, R, U)
-    heads = head_assignments(H, Hkv, U)
     itemsize = torch.empty(0, dtype=getattr(torch, p["dtype"])).element_size()
-    per_ring = []
-    for r in range(R):
-        plan = ring_plan(placement, r, mask, varlen=B == 1)
-        per_ring.append({
-            "pairs_per_head": sum(tile_pairs(s.tiles) for s in plan.steps),
-            "send_rows": sum(b - a for s in plan.steps for a, b in s.send_rows),
-            "recv_rows": sum(b - a for s in plan.steps for a, b in s.recv_rows),
-            "kernel_calls": sum(len(s.calls) for s in plan.steps),
-            "active_steps": sum(1 for s in plan.steps if s.calls),
-        })
-    ranks = []
-    for r in range(R):
-        for u in range(U):
-            h_q, h_kv = heads[u].q_len, heads[u].kernel_kv_heads if heads[u].q_len else 0
-            row = (2 * D) * B * h_kv  # K and V of one token (D + Dv, Dv = D here)
-            f = per_ring[r]
-            kv_fwd = f["send_rows"] * row * itemsize
-            ranks.append({
-                "pairs": f["pairs_per_head"] * h_q * B,
-                "fwd_flops": 4 * D * f["pairs_per_head"] * h_q * B,
-                "ring_kv_bytes_fwd": kv_fwd,
-                "ring_bytes_bwd": kv_fwd + f["recv_rows"] * row * itemsize,
-                "kernel_calls_fwd": f["kernel_calls"],
-                "active_steps": f["active_steps"],
-            })
+    costs = plan_costs(Placement.dense(S, R, U), mask, p["heads"], p["kv_heads"], p["head_dim"], batch=B,
+                       element_size=itemsize, varlen=B == 1)
+    ranks = [{
+        "pairs": c.pairs,
+        "fwd_flops": c.fwd_flops,
+        "ring_kv_bytes_fwd": c.ring_kv_bytes_fwd,
+        "ring_bytes_bwd": c.ring_bytes_bwd,
+        "kernel_calls_fwd": c.kernel_calls_fwd,
+        "active_steps": c.active_steps,
+    } for c in costs]
+
     def total(key: str) -> int:
         return sum(x[key] for x in ranks)
 
@@ -164,17 +143,16 @@ def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
 
 
 def _peak_bytes(fn: Callable[[], None], device: torch.device) -> int | None:
-    """Peak tensor bytes while ``fn`` runs (``seqpar.profiling.PeakMemory``)."""
+    """Peak tensor bytes while ``fn`` runs (``seqpar.tools.profiling.PeakMemory``)."""
     with PeakMemory(device) as mem:
         fn()
     return mem.peak
 
 
 def _inputs(p: dict, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-    gen = torch.Generator(device="cpu").manual_seed(p["seed"])
-    B, S, H, Hkv, D = p["batch"], p["seq_len"], p["heads"], p["kv_heads"], p["head_dim"]
-    shapes = [(B, S, H, D), (B, S, Hkv, D), (B, S, Hkv, D), (B, S, H, D)]
-    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+    """The whole problem's q, k, v, dout ``[B, S, H(kv), D]`` (``seqpar.tools.bench.inputs``)."""
+    return inputs((p["batch"], p["seq_len"]), p["heads"], p["kv_heads"], p["head_dim"], seed=p["seed"],
+                  device=device, dtype=dtype)
 
 
 class _SendCounter:
@@ -325,8 +303,8 @@ def _kernel_efficiency(
             out, lse = backend.kernel_varlen_forward(q, k, v, packing, **kw)
             backend.kernel_varlen_backward(dout, q, k, v, out, lse, packing, **kw)
 
-    def median_s(fn: Callable[[], None]) -> float:
-        return statistics.median(iteration_seconds(fn, p["iters"], device, barrier=False))
+    def median_s(fn: Callable[[], None]) -> float:  # this rank alone
+        return median_seconds(fn, p["iters"], device, barrier=False, over_ranks=False)
 
     heads = calls[0][1][-2] if calls else 0
     kv_heads = calls[0][2][-2] if calls else 0
@@ -519,7 +497,7 @@ def _text(report: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--world", type=int, default=4, help="CPU ranks to spawn (default: 4, or R*U with --ring/--ulysses)")
     parser.add_argument("--ring", type=int, default=None, help="measure only ring size R (with --ulysses, default: 1)")
     parser.add_argument("--ulysses", type=int, default=None, help="measure only Ulysses size U (with --ring, default: 1)")
@@ -543,9 +521,8 @@ def main() -> None:
                         help="measure peak memory in an extra iteration (default: on, off with --window)")
     parser.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the ring's kernel efficiency (default: on, off with --window)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "the window/full ratios per configuration with --window, else the speedup and "
-                      "peak memory vs one device")
+    add_output_arguments(parser, "the window/full ratios per configuration with --window, else the speedup and "
+                         "peak memory vs one device")
     args = parser.parse_args()
 
     if args.window is not None:
@@ -558,52 +535,37 @@ def main() -> None:
             )
     if args.iters < 1:
         raise SystemExit(f"--iters must be >= 1, got {args.iters}")
-    torchrun = under_torchrun()
-    device = "cuda" if torchrun and torch.cuda.is_available() else "cpu"
     compare = args.window is not None
-    p = {
-        "batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
-        "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
-        "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-        "causal": args.causal or compare, "window": args.window, "backend": args.backend,
-        "iters": args.iters, "warmup": args.warmup, "seed": args.seed, "device": device,
-        "memory": not compare if args.memory is None else args.memory,
-        "efficiency": not compare if args.efficiency is None else args.efficiency,
-        "cpu_cores": usable_cores(), "threads_per_rank": 1,
-    }
     run_single = not compare if args.single is None else args.single
-
-    if torchrun:
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-        world = dist.get_world_size()
-        p["threads_per_rank"] = torch.get_num_threads()
-        configs = _configs(world, args.ring, args.ulysses)
-        # Every rank runs the baseline at once (one GPU each), then the configurations.
-        single = single_device(p, torch.device(device)) if run_single else None
-        rows = bench_rank(p, configs)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rows)
-        dist.destroy_process_group()
-        if int(os.environ.get("RANK", "0")) != 0:
-            return
-    else:
-        from seqpar.testing import DistPool
-
-        if args.ring is not None or args.ulysses is not None:
-            world = (args.ring or 1) * (args.ulysses or 1)
+    # Local ranks: R * U of --ring/--ulysses, else --world (ignored under torchrun).
+    world = (args.ring or 1) * (args.ulysses or 1) if args.ring is not None or args.ulysses is not None else args.world
+    with Ranks(world, timeout_s=3600) as ranks:
+        device = ranks.device.type
+        p = {
+            "batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
+            "kv_heads": args.kv_heads or args.heads, "head_dim": args.head_dim,
+            "dtype": args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+            "causal": args.causal or compare, "window": args.window, "backend": args.backend,
+            "iters": args.iters, "warmup": args.warmup, "seed": args.seed, "device": device,
+            "memory": not compare if args.memory is None else args.memory,
+            "efficiency": not compare if args.efficiency is None else args.efficiency,
+            "cpu_cores": usable_cores(), "threads_per_rank": 1,
+        }
+        if ranks.torchrun:
+            p["threads_per_rank"] = torch.get_num_threads()
         else:
-            world = args.world
-        configs = _configs(world, args.ring, args.ulysses)
-        torch.set_num_threads(1)  # as each rank (DistPool sets one thread per rank)
-        single = single_device(p, torch.device("cpu")) if run_single else None
-        with DistPool(world, timeout_s=3600) as pool:
-            gathered = pool.run(bench_rank, p, configs)
+            torch.set_num_threads(1)  # as each rank (DistPool sets one thread per rank)
+        configs = _configs(ranks.world, args.ring, args.ulysses)
+        # Under torchrun every rank runs the baseline at once (one GPU each), else this process alone;
+        # then the configurations on every rank.
+        single = single_device(p, ranks.device) if run_single else None
+        gathered = ranks.run(bench_rank, p, configs)
+    if ranks.rank != 0:
+        return
+    world = ranks.world
     report = _summarise(p, single, gathered, configs, world)
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
     notes = [
-        time_sharing_warning(ranks_per_node * p["threads_per_rank"], p["cpu_cores"], device),
+        time_sharing_warning(ranks.ranks_per_node * p["threads_per_rank"], p["cpu_cores"], device),
         few_iterations_warning(args.iters),
     ]
     if compare:
@@ -615,8 +577,7 @@ def main() -> None:
         notes.append("speedup vs single: the single-device baseline runs alone on one thread while the "
                      f"{world} ranks share {p['cpu_cores']} core(s); it is not a parallel speedup")
     notes.append(_bytes_check(report))
-    chart = None if args.plot is None else functools.partial(plot_bars, args.plot, *_chart(report))
-    emit(report, _text(report), notes, args.json, plot=chart)
+    emit(report, _text(report), notes, args.json, plot=chart(args.plot, *_chart(report)))
 
 
 def _chart(report: dict) -> tuple[str, list[str], dict[str, list[float | None]], str]:

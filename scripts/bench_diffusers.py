@@ -33,27 +33,18 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from _bench_common import (  # noqa: E402
-    HelpFormatter,
-    add_plot_argument,
-    emit,
+from seqpar.tools.bench import (
+    Ranks,
     few_iterations_warning,
-    plain,
-    plot_bars,
-    table,
     time_sharing_warning,
     usable_cores,
 )
+from seqpar.tools.profiling import PhaseTimer
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 
 def build(args: argparse.Namespace):
@@ -102,13 +93,15 @@ def run_rank(args: argparse.Namespace, ulysses: int) -> dict:
     enable_diffusers_cp(theirs, ulysses)
     times = {"seqpar": [], "diffusers": []}
     outs = {}
+    timer = PhaseTimer(torch.device("cpu"))
     with torch.no_grad():
         for it in range(args.iters + 1):
             for name, model in (("seqpar", ours), ("diffusers", theirs)):
-                t = time.perf_counter()
+                timer.start()
                 outs[name] = model(**inputs)[0]
+                seconds = timer.stop()[0]
                 if it:  # the first round warms up
-                    times[name].append(time.perf_counter() - t)
+                    times[name].append(seconds)
     return {
         "seqpar_s": statistics.median(times["seqpar"]),
         "diffusers_s": statistics.median(times["diffusers"]),
@@ -118,7 +111,7 @@ def run_rank(args: argparse.Namespace, ulysses: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--ulysses", default="2,4", help="Ulysses degrees to run, comma-separated")
     parser.add_argument("--image-tokens", type=int, default=2048, help="image tokens (patches) S")
     parser.add_argument("--text-tokens", type=int, default=256, help="text tokens T")
@@ -127,8 +120,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="double-stream blocks")
     parser.add_argument("--single-layers", type=int, default=2, help="single-stream blocks")
     parser.add_argument("--iters", type=int, default=3, help="timed forwards after one warm-up; the median is reported")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the report to this file")
-    add_plot_argument(parser, "the diffusers / seqpar time ratio per Ulysses degree")
+    add_output_arguments(parser, "the diffusers / seqpar time ratio per Ulysses degree")
     args = parser.parse_args()
     degrees = [int(u) for u in args.ulysses.split(",")]
     for u in degrees:
@@ -138,19 +130,18 @@ def main() -> None:
                 f"({args.image_tokens}), --text-tokens ({args.text_tokens}) and --heads ({args.heads})"
             )
 
-    from seqpar.testing import DistPool
-
     torch.set_num_threads(1)
     model, inputs = build(args)
+    timer = PhaseTimer(torch.device("cpu"))
     with torch.no_grad():
-        t = time.perf_counter()
+        timer.start()
         reference = model(**inputs)[0]
-        one_process_s = time.perf_counter() - t
+        [one_process_s] = timer.stop()
 
     rows, results, cores = [], [], usable_cores()
     for u in degrees:
-        with DistPool(u, timeout_s=3600) as pool:
-            per_rank = pool.run(run_rank, args, u)
+        with Ranks(u, torchrun=False, timeout_s=3600) as ranks:  # local CPU ranks (see the docstring)
+            per_rank = ranks.run(run_rank, args, u)
         seqpar_s = max(r["seqpar_s"] for r in per_rank)  # the slowest rank finishes the step
         diffusers_s = max(r["diffusers_s"] for r in per_rank)
         err = max(float((r["seqpar_out"] - reference).abs().max()) for r in per_rank)
@@ -172,8 +163,7 @@ def main() -> None:
         time_sharing_warning(max(degrees), cores, "cpu"),
     ]
     report = dict(benchmark="diffusers", args=vars(args), one_process_s=one_process_s, cores=cores, results=results)
-    chart = None if args.plot is None else functools.partial(
-        plot_bars,
+    plot = chart(
         args.plot,
         f"Flux forward, diffusers' Ulysses / seqpar's (> 1: seqpar faster): {args.image_tokens} image + "
         f"{args.text_tokens} text tokens, {args.heads} heads x {args.head_dim}; slowest rank's median over "
@@ -183,7 +173,7 @@ def main() -> None:
         "time ratio (1.0 = equally fast)",
         value_format=".2f",
     )
-    emit(report, text, notes, args.json, plot=chart)
+    emit(report, text, notes, args.json, plot=plot)
 
 
 if __name__ == "__main__":

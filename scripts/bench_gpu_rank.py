@@ -1,7 +1,7 @@
 """Benchmark ONE rank of ring x Ulysses attention on one GPU: efficiency, TFLOP/s, memory, max length.
 
 Each configuration ``R x U`` runs as rank ``--cp-rank`` of an ``R * U``-rank job, alone in a fresh
-process over torch's fake process group (``seqpar.one_rank``, Note [One-rank runs]): the same
+process over torch's fake process group (``seqpar.tools.one_rank``, Note [One-rank runs]): the same
 kernel calls, buffers and copies as that rank of a real job, with communication free. Per
 configuration and length it reports
 
@@ -39,27 +39,12 @@ Output: tables, notes and warnings, then the whole report as one JSON line (last
 from __future__ import annotations
 
 import argparse
-import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _bench_common import (  # noqa: E402
-    HelpFormatter,
-    add_plot_argument,
-    emit,
-    few_iterations_warning,
-    parse_configs,
-    plain,
-    plot_bars,
-    table,
-)
-
-from seqpar.one_rank import MaxLenSearch, OneRankConfig, run_tasks  # noqa: E402
+from seqpar.tools.bench import few_iterations_warning, parse_configs
+from seqpar.tools.one_rank import MaxLenSearch, OneRankConfig, run_tasks
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 GIB = 2**30
 
@@ -79,7 +64,7 @@ def _fmt(x: float | None, spec: str = ".3f") -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--configs", default="8x1,1x8,2x4", help="ring x Ulysses configurations to time")
     p.add_argument("--local-lens", default="4096,8192,16384,32768,65536",
                    help="tokens per rank; the global length is S_local * R * U")
@@ -112,8 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=4096, help="--layer: hidden size")
     p.add_argument("--mlp", type=int, default=14336, help="--layer: MLP width")
     p.add_argument("--timeout", type=float, default=900, help="seconds per task before it is killed")
-    p.add_argument("--json", default=None, help="also write the JSON report to this file")
-    add_plot_argument(p, "the efficiency (fwd, bwd, fwd+bwd) of every configuration and length")
+    add_output_arguments(p, "the efficiency (fwd, bwd, fwd+bwd) of every configuration and length")
     return p
 
 
@@ -182,19 +166,17 @@ def main() -> None:
         notes.append("FAILED: " + "; ".join(errors))
     warnings = sorted({w for r in results for w in r.get("warnings", []) if "not GPU" not in w})
     notes += [f"WARNING: {w}" for w in warnings]
-    chart = None
     timed = [r for r in runs if r.get("efficiency") is not None]
-    if args.plot is not None and timed:
-        chart = functools.partial(
-            plot_bars, args.plot,
-            f"one rank vs one equal-FLOP kernel call (1.0 = parity); H={args.heads} Hkv={args.kv_heads} "
-            f"D={args.head_dim} {dtype} on {env.get('device_name', device)}",
-            [f"{r['config']} {r['mode']} S_local={r['local_tokens']}" for r in timed],
-            {"fwd": [r["efficiency_fwd"] for r in timed], "bwd": [r["efficiency_bwd"] for r in timed],
-             "fwd+bwd": [r["efficiency"] for r in timed]},
-            "(rank FLOP/s) / (one kernel call's FLOP/s)",
-        )
-    emit(report, _text(report, args), notes, args.json, plot=chart)
+    plot = chart(
+        args.plot if timed else None,
+        f"one rank vs one equal-FLOP kernel call (1.0 = parity); H={args.heads} Hkv={args.kv_heads} "
+        f"D={args.head_dim} {dtype} on {env.get('device_name', device)}",
+        [f"{r['config']} {r['mode']} S_local={r['local_tokens']}" for r in timed],
+        {"fwd": [r["efficiency_fwd"] for r in timed], "bwd": [r["efficiency_bwd"] for r in timed],
+         "fwd+bwd": [r["efficiency"] for r in timed]},
+        "(rank FLOP/s) / (one kernel call's FLOP/s)",
+    )
+    emit(report, _text(report, args), notes, args.json, plot=plot)
 
 
 def _label(kind: tuple) -> str:

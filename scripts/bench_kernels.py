@@ -16,7 +16,8 @@ Windows (``--windows S:W,...``): one dense ``[1, S, H, D]`` block with the causa
   (equal useful FLOPs): ``window / eq`` is the cost of the windowed path per attended pair;
 - ``causal``: plain causal attention over the same ``S`` (what the window should save).
 
-Times are the minimum over repeated runs (robust to other processes on the machine).
+Times are the minimum over repeated runs (robust to other processes on the machine), the device
+synchronised around every timed call.
 
     python scripts/bench_kernels.py                      # CPU backend, fp32 and bf16
     python scripts/bench_kernels.py --dtype bfloat16 --threads 1
@@ -34,30 +35,25 @@ import functools
 import itertools
 import math
 import random
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seqpar.backends import get_backend
+from seqpar.tools.bench import usable_cores
+from seqpar.tools.profiling import iteration_seconds
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
-from _bench_common import HelpFormatter, add_plot_argument, emit, plain, plot_bars, table, usable_cores  # noqa: E402
 
-from seqpar.backends import get_backend  # noqa: E402
-
-
-def _best_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Minimum wall time in ms of each function, measured round-robin."""
+def _best_times(fns: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
+    """Minimum wall time in ms of each function, measured round-robin after one untimed call each
+    (``iteration_seconds``: the device synchronised around every call)."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+            best[name] = min(best[name], iteration_seconds(fn, 1, device, warmup=0, barrier=False)[0] * 1e3)
     return best
 
 
@@ -127,7 +123,7 @@ def _bench_varlen(name: str, device: torch.device, dtype: torch.dtype, lens: lis
         fns["one" + p] = functools.partial(dense, one, bwd)
         fns["bat" + p] = functools.partial(dense, bat, bwd)
         fns["loop" + p] = functools.partial(lambda b: [dense(x, b) for x in pieces], bwd)
-    return _best_times(fns, rounds)
+    return _best_times(fns, rounds, device)
 
 
 def _window_pairs(s: int, w: int) -> int:
@@ -148,11 +144,11 @@ def _bench_window(name: str, device: torch.device, dtype: torch.dtype, s: int, w
         fns["win" + p] = functools.partial(_dense, backend, full, bwd, True, scale, (w, 0))
         fns["eq" + p] = functools.partial(_dense, backend, eq, bwd, False, scale)
         fns["cau" + p] = functools.partial(_dense, backend, full, bwd, True, scale)
-    return _best_times(fns, rounds) | {"s_eq": s_eq}
+    return _best_times(fns, rounds, device) | {"s_eq": s_eq}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--backend", default="cpu", help="kernel backend")
     parser.add_argument("--device", default="cpu", help="device")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: both)")
@@ -166,8 +162,7 @@ def main() -> None:
                         help="run the varlen scenarios")
     parser.add_argument("--windows", default="4096:512,8192:1024",
                         help="S:W causal sliding-window blocks to time ('' for none)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "varlen / nxL and window / eq per scenario, forward and forward+backward")
+    add_output_arguments(parser, "varlen / nxL and window / eq per scenario, forward and forward+backward")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -238,9 +233,8 @@ def main() -> None:
                      "kernels time-share; pass --threads")
     labels = [f"varlen/nxL {r['dtype']} {r['scenario']}{' causal' if r['causal'] else ''}" for r in varlen_rows]
     labels += [f"window/eq {r['dtype']} S={r['seq_len']} W={r['window']}" for r in window_rows]
-    chart = None if args.plot is None or not labels else functools.partial(
-        plot_bars,
-        args.plot,
+    plot = chart(
+        args.plot if labels else None,
         f"backend={args.backend} device={device} H={h} Hkv={hkv} D={d} threads={torch.get_num_threads()}: varlen "
         "vs one dense [n, L_rms] call (nxL), causal window vs a non-causal call of equal attended pairs (eq); "
         f"min of {args.rounds} runs",
@@ -254,7 +248,7 @@ def main() -> None:
     if args.plot is not None and not labels:
         notes.append("--plot: nothing was timed (--no-varlen and no --windows), no chart written")
     emit({"settings": settings, "varlen": varlen_rows, "windows": window_rows}, "\n".join(parts), notes, args.json,
-         plot=chart)
+         plot=plot)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ For every ring x Ulysses configuration, every rank runs one forward+backward of
 ``seqpar.attention`` (dense) or ``seqpar.varlen_attention`` (packed) on its shard after a warm-up
 call, and measures the tensor memory of that call:
 
-* ``in-call``: the peak of tensor storage created inside the call (``seqpar.profiling
+* ``in-call``: the peak of tensor storage created inside the call (``seqpar.tools.profiling
   .StorageTracker`` on CPU: every storage an op creates, alive or freed; on CUDA the allocator's
   peak above what was allocated before the call) -- the outputs, saved activations, kernel
   results and accumulators;
@@ -28,20 +28,14 @@ also writes it to a file.
 from __future__ import annotations
 
 import argparse
-import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _bench_common import HelpFormatter, add_plot_argument, emit, parse_configs, plain, plot_bars, table  # noqa: E402
-
-import seqpar  # noqa: E402
-from seqpar.backends import get_backend  # noqa: E402
-from seqpar.profiling import StorageTracker  # noqa: E402
+import seqpar
+from seqpar.backends import get_backend
+from seqpar.tools.bench import Ranks, inputs, parse_configs
+from seqpar.tools.profiling import PeakMemory
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 
 def _lengths(seq_len: int) -> list[int]:
@@ -50,28 +44,17 @@ def _lengths(seq_len: int) -> list[int]:
 
 
 def _inputs(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    shape = (1, args.seq_len)
-    return [
-        torch.randn(*shape, h, args.head_dim, generator=g).to(device, dtype)
-        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
-    ]
+    """The whole sequence's q, k, v, dout ``[1, S, H(kv), D]`` (``seqpar.tools.bench.inputs``)."""
+    return inputs((1, args.seq_len), args.heads, args.kv_heads, args.head_dim, device=device,
+                  dtype=getattr(torch, args.dtype))
 
 
 def _peak(run, device: torch.device) -> int:
-    """Tensor bytes one call of ``run`` creates at its peak (after a warm-up call)."""
+    """Tensor bytes one call of ``run`` creates at its peak (after a warm-up call; ``PeakMemory``)."""
     run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    with PeakMemory(device) as mem:
         run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with StorageTracker() as tracker:
-        run()
-    return tracker.peak
+    return mem.peak
 
 
 def ideal(args: argparse.Namespace, packed: bool, device: torch.device) -> int:
@@ -125,7 +108,7 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--world", type=int, default=4, help="local CPU ranks")
     parser.add_argument("--configs", default=None, help="ring x ulysses list, e.g. 4x1,1x4,2x2 (default: ring only, "
                         "Ulysses only and an even hybrid of --world)")
@@ -136,8 +119,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="dtype")
     parser.add_argument("--backend", default="auto", help="attention backend")
     parser.add_argument("--non-causal", dest="causal", action="store_false", help="non-causal (default: causal)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "in-call x and +workspace x (memory per rank x N / one device) per configuration")
+    add_output_arguments(parser, "in-call x and +workspace x (memory per rank x N / one device) per configuration")
     args = parser.parse_args()
     n = args.world
     half = next(d for d in range(int(n**0.5), 0, -1) if n % d == 0)
@@ -146,15 +128,13 @@ def main() -> None:
         if R * U != n:
             raise SystemExit(f"--configs: {R}x{U} does not use the {n} ranks of --world {n}")
 
-    from seqpar.testing import DistPool
-
     device = torch.device("cpu")
     rows, results = [], []
     ideals = {packed: ideal(args, packed, device) for packed in (False, True)}
-    with DistPool(n, timeout_s=600) as pool:
+    with Ranks(n, torchrun=False, timeout_s=600) as ranks:  # local CPU ranks only
         for R, U in configs:
             for packed in (False, True):
-                per_rank = pool.run(measure, args, R, U, packed)
+                per_rank = ranks.run(measure, args, R, U, packed)
                 peak = max(r["peak"] for r in per_rank)
                 total = max(r["peak"] + r["workspace"] for r in per_rank)
                 entry = {
@@ -180,8 +160,7 @@ def main() -> None:
         "the rank's reused transfer/staging buffers (shared by every layer on the state)",
     ]
     report = {"world": n, "args": vars(args), "results": results}
-    chart = None if args.plot is None else functools.partial(
-        plot_bars,
+    plot = chart(
         args.plot,
         f"attention memory per rank x {n} / one device (1.0 = a perfect 1/{n} share); S={args.seq_len} "
         f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype} "
@@ -191,7 +170,7 @@ def main() -> None:
          "+ workspace": [e["with_workspace_x_ideal"] for e in results]},
         f"peak per rank x {n} / ideal (one device)",
     )
-    emit(report, text, notes, args.json, plot=chart)
+    emit(report, text, notes, args.json, plot=plot)
 
 
 if __name__ == "__main__":

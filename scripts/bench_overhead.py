@@ -12,35 +12,18 @@ that machine noise hits both alike; the reported ratio is the median over rounds
 
 from __future__ import annotations
 
-import argparse
-import functools
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _bench_common import HelpFormatter, add_plot_argument, emit, plain, plot_bars, table  # noqa: E402
-
-import seqpar  # noqa: E402
-from seqpar.backends import get_backend  # noqa: E402
-
-
-def _median_call(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+import seqpar
+from seqpar.backends import get_backend
+from seqpar.tools.profiling import median_seconds
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--seq-len", type=int, default=64, help="tokens")
     parser.add_argument("--heads", type=int, default=8, help="heads")
     parser.add_argument("--head-dim", type=int, default=64, help="head dim")
@@ -48,8 +31,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--iters", type=int, default=50, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
-    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
-    add_plot_argument(parser, "the seqpar / backend time ratio of every round and their median")
+    add_output_arguments(parser, "the seqpar / backend time ratio of every round and their median")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -57,7 +39,8 @@ def main() -> None:
     q, k, v, dout = (torch.randn(1, args.seq_len, args.heads, args.head_dim, generator=g).to(dtype) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     state = seqpar.ParallelState()
-    backend = get_backend("auto", "cpu", dtype)
+    cpu = torch.device("cpu")
+    backend = get_backend("auto", cpu, dtype)
     scale = args.head_dim ** -0.5
 
     def ours() -> None:
@@ -73,7 +56,7 @@ def main() -> None:
         kernel()
     rounds = []
     for _ in range(args.rounds):
-        a, b = _median_call(ours, args.iters), _median_call(kernel, args.iters)
+        a, b = (median_seconds(fn, args.iters, cpu, warmup=0, barrier=False, over_ranks=False) for fn in (ours, kernel))
         rounds.append((a, b, a / b))
     ratio = statistics.median(r[2] for r in rounds)
     ours_us = statistics.median(r[0] for r in rounds) * 1e6
@@ -88,8 +71,7 @@ def main() -> None:
               "ratio": ratio, "rounds": [{"seqpar_s": a, "kernel_s": b, "ratio": r} for a, b, r in rounds]}
     notes = ["ratio = median over interleaved rounds of (median seqpar call / median direct backend call); "
              "the difference is validation, plan lookup and the autograd function"]
-    chart = None if args.plot is None else functools.partial(
-        plot_bars,
+    plot = chart(
         args.plot,
         f"seqpar.attention / direct {backend.name} calls, forward+backward, B=1 S={args.seq_len} H={args.heads} "
         f"D={args.head_dim} {args.dtype}, causal, {args.threads} thread(s); median of {args.iters} calls per round",
@@ -97,7 +79,7 @@ def main() -> None:
         {"seqpar / backend": [r[2] for r in rounds] + [ratio]},
         "time ratio (1.0 = no overhead)",
     )
-    emit(report, text, notes, args.json, plot=chart)
+    emit(report, text, notes, args.json, plot=plot)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ tokens, 64 equal documents, and the timed mix -- over the ``--balance-configs``:
 
 Two launchers:
 
-- default: a local gloo pool of ``--world`` CPU processes (``seqpar.testing.DistPool``), one
+- default: a local gloo pool of ``--world`` CPU processes (``seqpar.tools.testing.DistPool``), one
   thread each, the baseline in the parent with one thread. On a machine with fewer cores than
   ranks the per-rank times include time-sharing (the output warns); work balance does not
   depend on it.
@@ -42,38 +42,24 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
-import functools
 import math
-import os
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench_common import (  # noqa: E402
-    HelpFormatter,
-    add_plot_argument,
-    emit,
+import seqpar
+from seqpar.placement import Mask, Placement, attention_work, imbalance, split_sizes
+from seqpar.tools.bench import (
+    Ranks,
     few_iterations_warning,
+    inputs,
     parse_configs,
-    plain,
-    plot_bars,
-    table,
     time_sharing_warning,
-    under_torchrun,
     usable_cores,
 )
-
-import seqpar  # noqa: E402
-from seqpar.placement import Mask, Placement, attention_work, imbalance, split_sizes  # noqa: E402
-from seqpar.profiling import PeakMemory, iteration_seconds  # noqa: E402
+from seqpar.tools.profiling import PeakMemory, iteration_seconds
+from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,15 +88,6 @@ def mix_summary(lens: list[int]) -> dict:
     }
 
 
-def _inputs(cfg: dict, device: torch.device):
-    lens = cfg["lens"]
-    gen = torch.Generator().manual_seed(cfg["seed"])
-    T, H, Hkv, D = sum(lens), cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    dtype = DTYPES[cfg["dtype"]]
-    q, k, v, dout = (torch.randn(T, h, D, generator=gen).to(device, dtype) for h in (H, Hkv, Hkv, H))
-    return q, k, v, dout
-
-
 def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, together: bool) -> dict:
     """Time and memory of this rank's varlen_attention on its shard of the configured batch.
 
@@ -119,7 +96,8 @@ def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, togeth
     (the CUDA allocator's high-water mark, or the CPU process's resident set).
     """
     lens, causal = cfg["lens"], cfg["causal"]
-    q, k, v, dout = _inputs(cfg, device)
+    q, k, v, dout = inputs((sum(lens),), cfg["heads"], cfg["kv_heads"], cfg["head_dim"], seed=cfg["seed"],
+                           device=device, dtype=DTYPES[cfg["dtype"]])
     ql, kl, vl, dl = (seqpar.shard_packed(t, state, lens) for t in (q, k, v, dout))
     del q, k, v, dout
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
@@ -144,10 +122,13 @@ def measure(cfg: dict, state: seqpar.ParallelState, device: torch.device, togeth
     }
 
 
-def _pool_rank(cfg: dict, R: int, U: int) -> dict:
-    """Runs on every rank of the local pool (module level so that it pickles)."""
+def _rank(cfg: dict, R: int, U: int, device: torch.device) -> dict:
+    """Runs on every rank (module level so that it pickles): this rank's figures under ``R x U``."""
     state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
-    return measure(cfg, state, torch.device("cpu"), together=True)
+    try:
+        return measure(cfg, state, device, together=True)
+    finally:
+        state.close()
 
 
 def realistic_mixes(timed: list[int], seed: int) -> dict[str, list[int]]:
@@ -227,7 +208,7 @@ def _balance_table(balances: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--total", type=int, default=32768, help="packed tokens of the timed batch")
     p.add_argument("--median", type=int, default=1024, help="median document length")
     p.add_argument("--sigma", type=float, default=1.2, help="log-normal sigma (tail weight)")
@@ -246,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=3, help="timed calls per configuration; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
     p.add_argument("--seed", type=int, default=0, help="seed of the length mixes and the inputs")
-    p.add_argument("--json", metavar="PATH", type=Path, default=None, help="also write the JSON report here")
-    add_plot_argument(p, "the cp max/mean work balance of every mix per --balance-configs configuration")
+    add_output_arguments(p, "the cp max/mean work balance of every mix per --balance-configs configuration")
     args = p.parse_args(argv)
 
     configs = parse_configs(args.configs)
@@ -257,43 +237,21 @@ def main(argv: list[str] | None = None) -> None:
         "head_dim": args.head_dim, "dtype": args.dtype, "backend": args.backend,
         "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
     }
-    torchrun = under_torchrun()
-    if torchrun:
-        device = torch.device(args.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        world, rank = dist.get_world_size(), dist.get_rank()
-    else:
-        device, world, rank = torch.device("cpu"), args.world, 0
-        torch.set_num_threads(1)  # the same as each pool rank
-    if not args.balance_only:
-        for R, U in configs:
-            if world % (R * U):
-                raise SystemExit(f"--configs: {R}x{U} = {R * U} ranks does not divide the world of {world}")
-
     base, results = None, []
-    if not args.balance_only:
-        if rank == 0:
-            base = measure(cfg, seqpar.ParallelState(), device, together=False)
-        if torchrun:
+    with Ranks(args.world, device=args.device, timeout_s=3600) as ranks:
+        if not ranks.torchrun:
+            torch.set_num_threads(1)  # the same as each local rank
+        torchrun, world, rank, device = ranks.torchrun, ranks.world, ranks.rank, ranks.device
+        if not args.balance_only:
             for R, U in configs:
-                state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
-                mine = measure(cfg, state, device, together=True)
-                state.close()
-                gathered = [None] * world
-                dist.all_gather_object(gathered, mine)
+                if world % (R * U):
+                    raise SystemExit(f"--configs: {R}x{U} = {R * U} ranks does not divide the world of {world}")
+            if rank == 0:
+                base = measure(cfg, seqpar.ParallelState(), device, together=False)
+            for R, U in configs:
+                gathered = ranks.run(_rank, cfg, R, U, device)
                 if rank == 0:
                     results.append(_summarise(R, U, gathered, cfg, base))
-        else:
-            from seqpar.testing import DistPool
-
-            with DistPool(world, timeout_s=3600) as pool:
-                for R, U in configs:
-                    results.append(_summarise(R, U, pool.run(_pool_rank, cfg, R, U), cfg, base))
-    if torchrun:
-        dist.destroy_process_group()
     if rank != 0:
         return
 
@@ -328,8 +286,7 @@ def main(argv: list[str] | None = None) -> None:
             "WARNING: --warmup 0: each first timed call includes one-time costs (allocations, plans), so "
             "times and speedups mislead; use --warmup 1 or more" if args.warmup == 0 else None,
         ]
-    chart = None if args.plot is None else functools.partial(
-        plot_bars,
+    plot = chart(
         args.plot,
         f"{mask} varlen attention work per CP rank, max / mean (1.0 = perfect balance; host maths, H={args.heads} "
         "heads split over Ulysses)",
@@ -338,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         "attended (query, key, head) triples per CP rank, max / mean",
         value_format=".4f",
     )
-    emit(report, "\n".join(parts), notes, args.json, plot=chart)
+    emit(report, "\n".join(parts), notes, args.json, plot=plot)
 
 
 if __name__ == "__main__":

@@ -13,20 +13,15 @@ all of them); rank 0 writes ``--out``. See ``docs/planner.md`` for what is measu
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import seqpar  # noqa: E402
-from _bench_common import HelpFormatter, plain  # noqa: E402
-from seqpar.planner import CostModel, calibrate  # noqa: E402
+import seqpar
+from seqpar.planner import CostModel, calibrate
+from seqpar.tools.bench import Ranks, under_torchrun
+from seqpar.tools.report import script_parser
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -40,7 +35,7 @@ def _measure(ranks_per_node: int | None, dtype: str | None, repeats: int) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--out", default="cost.json", help="where rank 0 writes the cost model (default cost.json)")
     parser.add_argument("--local", type=int, metavar="N", help="spawn N local CPU ranks (gloo) instead of torchrun")
     parser.add_argument("--ranks-per-node", type=int, help="consecutive ranks per node (default: GPUs per node, or all)")
@@ -48,25 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median; default 5)")
     args = parser.parse_args(argv)
 
-    if args.local:
-        from seqpar.testing import DistPool
-
-        with DistPool(args.local) as pool:
-            text = pool.run(_measure, args.ranks_per_node, args.dtype, args.repeats)[0]
-        rank = 0
-    else:
-        if "RANK" not in os.environ:
-            parser.error("run under torchrun (or pass --local N for local CPU ranks)")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(minutes=5))
-        try:
-            text = _measure(args.ranks_per_node, args.dtype, args.repeats)
-            rank = dist.get_rank()
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    if not args.local and not under_torchrun():
+        parser.error("run under torchrun (or pass --local N for local CPU ranks)")
+    with Ranks(args.local, torchrun=not args.local, timeout_s=300) as ranks:
+        text = ranks.run(_measure, args.ranks_per_node, args.dtype, args.repeats)[0]  # the same on every rank
+        rank = ranks.rank
     if rank == 0:
         cost = CostModel.from_json(text)
         cost.save(args.out)

@@ -12,23 +12,20 @@ backpropagates the same loss divided by ``cp_size``, and the parameter gradients
 CP group are the single-device gradients. Rank 0 compares both with the model on one device and
 the script exits non-zero if they differ by more than ``--tol``.
 
-Without ``torchrun`` the ranks are local gloo processes (``seqpar.testing.DistPool``).
+Without ``torchrun`` the ranks are local gloo processes (``seqpar.tools.bench.Ranks``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _bench_common import HelpFormatter, check_on_ranks, plain  # noqa: E402
-
-import seqpar  # noqa: E402
-from seqpar.integrations.diffusers import parallelize  # noqa: E402
+import seqpar
+from seqpar.integrations.diffusers import parallelize
+from seqpar.tools.bench import check_on_ranks
+from seqpar.tools.report import script_parser
 
 
 def build(family: str, tokens: tuple[int, int, int], text: int):
@@ -95,7 +92,7 @@ def run(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--model", choices=["flux", "wan"], default="flux", help="model family")
     p.add_argument("--world", type=int, default=2, help="local gloo ranks (ignored under torchrun)")
     p.add_argument("--ring", type=int, default=1, help="ring size R")

@@ -14,7 +14,7 @@ gradients. Rank 0 compares both with the model on one device (exit status 1 abov
 timm imports torchvision at import time. Where no torchvision works with the installed torch
 (a CPU-only torch for which the registry has no torchvision build), ``--torchvision-stand-in``
 imports timm behind a stand-in whose every object raises when used; the ViT and EVA models never
-use it. Without ``torchrun`` the ranks are local gloo processes (``seqpar.testing.DistPool``).
+use it. Without ``torchrun`` the ranks are local gloo processes (``seqpar.tools.bench.Ranks``).
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ import importlib.machinery
 import os
 import sys
 import types
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _bench_common import HelpFormatter, check_on_ranks, plain  # noqa: E402
-
-import seqpar  # noqa: E402
+import seqpar
+from seqpar.tools.bench import check_on_ranks
+from seqpar.tools.report import script_parser
 
 
 class _Absent:
@@ -162,7 +160,7 @@ def run(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--model", choices=["vit", "deit", "eva02"], default="vit", help="model family")
     p.add_argument("--world", type=int, default=2, help="local gloo ranks (ignored under torchrun)")
     p.add_argument("--ring", type=int, default=1, help="ring size R")

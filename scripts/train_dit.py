@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 4 scripts/train_dit.py --ring 2 --ulysses 2 \\
         --steps 30 --check --plot dit_loss.png
 
-The model (``seqpar.models.VideoDiT``) is plain PyTorch: every attention is
+The model (``seqpar.tools.models.VideoDiT``) is plain PyTorch: every attention is
 ``F.scaled_dot_product_attention``. The only changes for context parallelism are here: the
 patch tokens of a clip (13 x 9 x 15 = 1755 by default, an odd count) and their global positions are
 sharded over the CP ranks, the forward runs inside ``seqpar.parallel_sdpa(state)``, and each rank
@@ -26,16 +26,24 @@ import argparse
 import sys
 
 import torch
-from _bench_common import HelpFormatter, plain
-from _train_harness import Plot, add_check_args, add_parallel_args, finish, launch, parallel_state, train_loop
 
 import seqpar
-from seqpar.models import VideoDiT, patchify
+from seqpar.tools.models import VideoDiT, patchify
+from seqpar.tools.report import script_parser
+from seqpar.tools.train_harness import (
+    Plot,
+    add_check_args,
+    add_parallel_args,
+    finish,
+    launch,
+    parallel_state,
+    train_loop,
+)
 from seqpar.training import sharded_mean, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     add_parallel_args(p)
     p.add_argument(
         "--grid", type=int, nargs=3, default=(13, 9, 15), metavar=("T", "H", "W"), help="token grid"

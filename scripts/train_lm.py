@@ -24,17 +24,25 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from _bench_common import HelpFormatter, plain
-from _train_harness import Plot, add_check_args, add_parallel_args, finish, launch, parallel_state, train_loop
 
 import seqpar
 from seqpar.integrations.transformers import register
-from seqpar.models import tiny_llama_config
+from seqpar.tools.models import tiny_llama_config
+from seqpar.tools.report import script_parser
+from seqpar.tools.train_harness import (
+    Plot,
+    add_check_args,
+    add_parallel_args,
+    finish,
+    launch,
+    parallel_state,
+    train_loop,
+)
 from seqpar.training import sharded_cross_entropy, shift_labels, wrap_ddp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=plain(__doc__), formatter_class=HelpFormatter)
+    p = script_parser(__doc__)
     add_parallel_args(p)
     p.add_argument("--seq-len", type=int, default=1023, help="tokens per sequence (any length)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step and DP replica")

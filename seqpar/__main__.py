@@ -75,7 +75,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the chosen command; returns the exit code."""
-    from . import demo
+    from .tools import demo  # imported here: the command line only
 
     parser = argparse.ArgumentParser(
         prog="python -m seqpar", description="seqpar: exact sequence/context parallelism for attention."

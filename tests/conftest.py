@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from seqpar.testing import DistPool
+from seqpar.tools.testing import DistPool
 
 
 class _Pools:

@@ -25,7 +25,7 @@ import seqpar
 from seqpar import ParallelState
 from seqpar.backends.reference import reference_attention
 from seqpar.comm import group_timeout
-from seqpar.testing import DistPool
+from seqpar.tools.testing import DistPool
 from seqpar.training import sharded_cross_entropy
 
 DOUBLE_BACKWARD = "does not support double backward"
@@ -292,7 +292,7 @@ def test_bad_labels_on_one_rank_raise_on_every_rank(pools):
 
 
 def _live_groups(leave_a_state: bool) -> int:
-    from seqpar.testing import _groups
+    from seqpar.tools.testing import _groups
 
     n = len(_groups())
     if leave_a_state:

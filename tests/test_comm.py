@@ -262,7 +262,7 @@ def test_all_to_all_round_trip_property(pools, world, problem):
 
 def _memory_cases():
     """Bytes allocated by one all_to_all: staging copy + output, i.e. 2x an aligned input."""
-    from seqpar.profiling import StorageTracker
+    from seqpar.tools.profiling import StorageTracker
 
     n, r = dist.get_world_size(), dist.get_rank()
     H, D = 4 * n, 8

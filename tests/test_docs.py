@@ -185,7 +185,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import seqpar
-from seqpar.models import tiny_llama_config
+from seqpar.tools.models import tiny_llama_config
 from transformers import LlamaForCausalLM
 path = os.path.join(tempfile.gettempdir(), "seqpar-docs-tiny-llama")   # every rank sees it
 if dist.get_rank() == 0:
@@ -197,7 +197,7 @@ _TORCHRUN_STEP = """
 import torch
 import seqpar
 from seqpar.integrations.transformers import register
-from seqpar.models import tiny_llama_config
+from seqpar.tools.models import tiny_llama_config
 from transformers import LlamaForCausalLM
 state = seqpar.ParallelState(ring_size=2)
 torch.manual_seed(0)

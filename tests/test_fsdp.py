@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from seqpar import ParallelState, parallel_sdpa, shard, shard_positions
-from seqpar.models import VideoDiT, patchify
+from seqpar.tools.models import VideoDiT, patchify
 from seqpar.training import fully_shard_cp, global_loss, sharded_mean
 
 

@@ -1,4 +1,4 @@
-"""seqpar.one_rank: one rank of an R x U job alone in a process (fake process group) runs exactly
+"""seqpar.tools.one_rank: one rank of an R x U job alone in a process (fake process group) runs exactly
 the kernel calls and the communication of that rank in a real multi-rank run; the GPU check's
 plumbing runs end to end on the CPU (``scripts/gpu_check --cpu-smoke``)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from seqpar.one_rank import MaxLenSearch, OneRankConfig, rank_work, run_tasks
+from seqpar.tools.one_rank import MaxLenSearch, OneRankConfig, rank_work, run_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +29,8 @@ QUICK = dict(warmup=1, iters=1, monolithic=False, memory=False)
 
 def _real_rank(config: dict) -> dict:
     """One step of this rank in a real gloo run, recorded as ``measure`` records it."""
-    from seqpar.one_rank import _new_state, _Rank, _resolve_inner, instrument
-    from seqpar.profiling import CollectiveRecorder
+    from seqpar.tools.one_rank import _new_state, _Rank, _resolve_inner, instrument
+    from seqpar.tools.profiling import CollectiveRecorder
 
     cfg = OneRankConfig.from_dict({**config, "cp_rank": dist.get_rank()})
     device = torch.device("cpu")

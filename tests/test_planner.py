@@ -23,6 +23,7 @@ import torch.distributed as dist
 import seqpar
 from seqpar.placement import head_assignments
 from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_plan
+from seqpar.placement.cost import plan_costs
 from seqpar.planner import CostModel, Link, calibrate, plan
 
 CPU = CostModel.preset("cpu")
@@ -93,6 +94,21 @@ def test_balance_is_attention_work(S, H, causal, window):
     for c in p.candidates:
         work = attention_work(Placement.dense(S, c.ring_size, c.ulysses_size), Mask(causal, window).normalised(S), num_heads=H)
         assert c.imbalance == pytest.approx(imbalance(work), rel=1e-12), c.label()
+
+
+@pytest.mark.parametrize("placement", [Placement.dense(1000, 4, 2), Placement.packed([300, 7, 1, 500, 192], 2, 3)])
+def test_plan_costs_pairs_and_flops(placement):
+    """seqpar.placement.cost (Note [Plan cost]): pairs per CP rank are attention_work's times the
+    batch; kernel FLOPs 4 * D per pair forward, 2.5x backward; a rank without query heads sends nothing."""
+    H, Hkv, D, B = 5, 1, 16, 3
+    mask = Mask(causal=True).normalised(1000)
+    costs = plan_costs(placement, mask, H, Hkv, D, batch=B, element_size=2)
+    assert [c.pairs for c in costs] == [B * w for w in attention_work(placement, mask, num_heads=H)]
+    for c in costs:
+        assert c.fwd_flops == 4 * D * c.pairs and 2 * c.bwd_flops == 5 * c.fwd_flops
+        assert c.ring_bytes == c.ring_kv_bytes_fwd + c.ring_bytes_bwd >= 2 * c.ring_kv_bytes_fwd
+    idle = plan_costs(placement, mask, 1, 1, D)[1]  # H = 1 < U: the second Ulysses rank has no head
+    assert idle.pairs == idle.fwd_flops == idle.ring_bytes == 0
 
 
 def test_uneven_heads_idle_ranks_and_kv_replication():
@@ -173,7 +189,7 @@ def test_single_rank_state_without_process_group():
 
 
 def _states_and_memory(shapes):
-    from seqpar.profiling import StorageTracker
+    from seqpar.tools.profiling import StorageTracker
 
     out = []
     for S, H, Hkv, D, causal, window in shapes:

@@ -17,8 +17,8 @@ import seqpar
 from seqpar import ParallelState
 from seqpar.backends.reference import reference_attention
 from seqpar.placement import Placement
-from seqpar.profiling import CollectiveRecorder
-from seqpar.testing import DistPool
+from seqpar.tools.profiling import CollectiveRecorder
+from seqpar.tools.testing import DistPool
 
 def _rank_counts(configs) -> list[dict]:
     out = []

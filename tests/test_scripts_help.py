@@ -179,11 +179,8 @@ def test_plot_without_matplotlib_fails_before_running(tmp_path):
 
 
 def test_plain_removes_rst_markup():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from _bench_common import plain
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    from seqpar.tools.report import plain
+
     assert plain("``python -m seqpar demo``: see :func:`reference_run`") == "python -m seqpar demo: see reference_run"
     assert plain("the **ideal** of *one device*, ``len**2``, 4 * D * pairs") == (
         "the ideal of one device, len**2, 4 * D * pairs"

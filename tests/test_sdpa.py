@@ -10,7 +10,7 @@ from torch import nn
 
 import seqpar
 from seqpar import ParallelState, parallel_sdpa, shard
-from seqpar.models import VideoDiT, patchify
+from seqpar.tools.models import VideoDiT, patchify
 from seqpar.sdpa import local_sdpa
 
 ORIGINAL_SDPA = F.scaled_dot_product_attention

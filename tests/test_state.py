@@ -84,7 +84,7 @@ def _subgroup_parent():
 
 def test_subgroup_parent():
     # Its own pool: sub-group states change the process-group history of only some ranks.
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     with DistPool(8) as pool:
         assert pool.run(_subgroup_parent) == [2.0] * 8

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import seqpar
 from seqpar import ParallelState, parallel_sdpa, shard
-from seqpar.models import VideoDiT, patchify
+from seqpar.tools.models import VideoDiT, patchify
 from seqpar.training import (
     all_reduce_gradients,
     global_loss,

@@ -25,8 +25,8 @@ from seqpar.integrations.transformers import (  # noqa: E402
     recognise_mask_function,
     register,
 )
-from seqpar.models import tiny_llama_config  # noqa: E402
-from seqpar.models.hf_configs import HF_FAMILIES, causal_lm_class, tiny_hf_config  # noqa: E402
+from seqpar.tools.models import tiny_llama_config  # noqa: E402
+from seqpar.tools.models.hf_configs import HF_FAMILIES, causal_lm_class, tiny_hf_config  # noqa: E402
 from seqpar.placement import Mask  # noqa: E402
 from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
@@ -269,7 +269,7 @@ def _one_rank_refuses(ring, ulysses):
 
 
 def test_one_rank_refusals_raise_on_every_rank():
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     with DistPool(4, timeout_s=30) as pool:  # a rank left waiting would fail within the timeout
         per_rank = pool.run(_one_rank_refuses, 2, 2)
@@ -514,7 +514,7 @@ def test_register_rejects_builtin_names_and_bad_state():
 
 def test_import_seqpar_does_not_import_transformers():
     code = (
-        "import sys, seqpar, seqpar.training, seqpar.models, seqpar.integrations, seqpar.sdpa\n"
+        "import sys, seqpar, seqpar.training, seqpar.tools.models, seqpar.integrations, seqpar.sdpa\n"
         "assert 'transformers' not in sys.modules, 'transformers imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -1,12 +1,5 @@
-"""Tiny reference models for the scripts, tests and docs (not part of the attention API).
+"""Moved to seqpar.tools.models; this alias is kept for existing imports."""
 
-- :mod:`seqpar.models.dit`: a small video diffusion transformer built from SDPA blocks, meant to
-  run under ``seqpar.parallel_sdpa`` with no change.
-- :mod:`seqpar.models.llama`: a small Llama-style ``transformers`` config (imports transformers
-  only when called).
-"""
-
-from .dit import VideoDiT, patchify, unpatchify
-from .llama import tiny_llama_config
+from ..tools.models import VideoDiT, patchify, tiny_llama_config, unpatchify
 
 __all__ = ["VideoDiT", "patchify", "unpatchify", "tiny_llama_config"]

@@ -12,15 +12,22 @@
 - :mod:`.predict`: one factorisation's bytes, memory, balance and time from the exact placement
   and ring plan (Note [Planner prediction]);
 - :mod:`.choose`: :func:`plan` and :class:`DegreePlan`;
-- :mod:`.calibration`: :func:`calibrate`, the measurements (Note [Planner calibration]).
+- :func:`calibrate`: the measurements (Note [Planner calibration] in
+  ``seqpar.tools.calibration``, imported when called: it times kernels and transfers).
 
 ``docs/planner.md`` describes the model and its limits.
 """
 
-from .calibration import calibrate
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .choose import DegreePlan, plan
 from .cost import PRESETS, CostModel, KernelRates, Link
 from .predict import Candidate, Shape, predict
+
+if TYPE_CHECKING:
+    from ..state import ParallelState
 
 __all__ = [
     "plan",
@@ -34,3 +41,16 @@ __all__ = [
     "PRESETS",
     "calibrate",
 ]
+
+
+def calibrate(state: ParallelState, **options: Any) -> CostModel:
+    """Measure a :class:`CostModel` on ``state``'s CP group; a collective (every rank calls it).
+
+    The measurement lives with the tools, :func:`seqpar.tools.calibration.calibrate` (its
+    keyword options: ``dtype``, ``device``, ``head_dim``, ``ranks_per_node``, ``repeats``; Note
+    [Planner calibration]), and is imported by this call, so that ``import seqpar`` loads no
+    timing or profiling code.
+    """
+    from ..tools.calibration import calibrate as measure
+
+    return measure(state, **options)

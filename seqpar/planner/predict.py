@@ -16,8 +16,9 @@ what ``seqpar.attention`` runs, piece by piece:
    never reads) times the rank's K/V heads (expanded as the kernel sees them), and backward the
    same K/V again plus dK/dV going back. Ranks without a query head (``H < U``) skip the ring.
 3. **Kernels**: every call of the plan, ``4 * D`` (forward) and ``10 * D`` (backward) FLOPs per
-   computed pair and head -- the attended pairs (``tile_pairs``) plus the block kind's
-   ``extra_keys`` per query row -- at the cost model's rate for the kind.
+   computed pair and head (``seqpar.placement.cost``, Note [Plan cost]) -- the attended pairs
+   (``tile_pairs``) plus the block kind's ``extra_keys`` per query row -- at the cost model's rate
+   for the kind.
 4. **Element-wise passes**: LSE merges and casts of the fp32 accumulators in the forward,
    gradient accumulation and sums in the backward, at ``memory_bandwidth``.
 
@@ -39,14 +40,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..placement.heads import HeadAssignment, head_assignments
 from ..placement import Mask, Placement, imbalance, ring_plan
-from ..placement.ring import SPLIT_KEYS_FROM, RingPlan, tile_pairs
+from ..placement.cost import StepWork, kernel_flops, kv_bytes, rank_cost, ring_work
+from ..placement.heads import HeadAssignment, head_assignments
+from ..placement.ring import RingPlan
 from .cost import CostModel, Link
 
 __all__ = ["Shape", "Candidate", "predict"]
-
-_FWD_FLOPS, _BWD_FLOPS = 4, 10  # per computed (query, key) pair, head and head-dim element
 
 
 @dataclass(frozen=True)
@@ -124,39 +124,7 @@ def _ring_plans(seq_len: int, ring_size: int, mask: Mask) -> tuple[RingPlan, ...
     return tuple(ring_plan(placement, r, mask, varlen=False) for r in range(ring_size))
 
 
-@dataclass(frozen=True)
-class _StepWork:
-    """One ring step of one ring rank, per query head and batch row (Note [Planner prediction])."""
-
-    pairs: int  # attended (query, key) pairs
-    kinds: dict[str, tuple[int, int, int]]  # block kind -> (attended pairs, query rows, full pairs)
-    fwd_calls: int
-    bwd_calls: int  # the backward cuts wide unmasked blocks in two
-    q_rows: int  # query rows merged into the accumulators
-    k_rows: int  # key rows whose gradients are produced
-    send_rows: int
-    recv_rows: int
-
-
-def _step_work(plan: RingPlan, i: int) -> _StepWork:
-    step = plan.steps[i]
-    tiles = step.tiles
-    sq, sk = tiles.q1 - tiles.q0, tiles.k1 - tiles.k0
-    unbounded = tiles.wl < 0
-    masks = {"full": unbounded & (tiles.wr < 0), "causal": unbounded & (tiles.wr == 0) & (sq == sk)}
-    masks["window"] = ~(masks["full"] | masks["causal"])
-    kinds = {}
-    for kind, sel in masks.items():
-        if bool(sel.any()):
-            kinds[kind] = (tile_pairs(tiles.select(sel)), int(sq[sel].sum()), int((sq[sel] * sk[sel]).sum()))
-    wide = int((masks["full"] & (sk >= SPLIT_KEYS_FROM)).sum()) if i > 0 else 0
-    return _StepWork(
-        sum(p for p, _, _ in kinds.values()), kinds, len(step.calls), len(step.calls) + wide,
-        int(sq.sum()), int(sk.sum()), sum(b - a for a, b in step.send_rows), sum(b - a for a, b in step.recv_rows),
-    )
-
-
-def _kernel_seconds(work: _StepWork, heads: int, batch: int, head_dim: int, cost: CostModel, backward: bool) -> float:
+def _kernel_seconds(work: StepWork, heads: int, batch: int, head_dim: int, cost: CostModel, backward: bool) -> float:
     """Kernel time of one step: per call a latency, per computed pair (attended pairs plus
     ``extra_keys`` per query row, at most the whole block) its FLOPs at the kind's rate."""
     if heads == 0:
@@ -165,7 +133,7 @@ def _kernel_seconds(work: _StepWork, heads: int, batch: int, head_dim: int, cost
     for kind, (pairs, rows, full) in work.kinds.items():
         rates = cost.kernel[kind]
         computed = min(pairs + rows * rates.extra_keys, full)
-        flops = (_BWD_FLOPS if backward else _FWD_FLOPS) * computed * head_dim * heads * batch
+        flops = kernel_flops(computed, head_dim, backward=backward) * heads * batch
         seconds += flops / (rates.backward if backward else rates.forward)
     return seconds
 
@@ -249,7 +217,6 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
     h = [a.q_len for a in heads]
     kvh = [a.kernel_kv_heads for a in heads]  # K/V heads the ring moves (expanded)
     nodes = [c // ranks_per_node for c in range(N)]
-    row = D * e * B  # bytes of one token of one head
 
     # 1. Ulysses: four all-to-alls.
     a2a_s = 0.0
@@ -264,9 +231,8 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
 
     # 2-4. The ring: per step, compute and transfers of every cp rank.
     plans = _ring_plans(S, R, mask)
-    works = [[_step_work(plans[r], i) for i in range(R)] for r in range(R)]
+    rings = [ring_work(plan) for plan in plans]  # per step: pairs, blocks, rows (Note [Plan cost])
     acc = 4 if e <= 4 else e  # accumulator element size (fp32; fp64 stays fp64)
-    ring_bytes = [0] * N
     ring_inter = False
     fwd_total = bwd_total = 0.0
     kernel_total = elem_total = exposed_total = 0.0
@@ -276,7 +242,7 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
         x_next = [0.0] * N  # K/V of step i + 1 in flight during step i
         x_grad = [0.0] * N  # gradients of step i (sent after its compute)
         for r in range(R):
-            w = works[r][i]
+            w = rings[r].steps[i]
             for u in range(U):
                 c = r * U + u
                 if h[u] == 0:
@@ -298,21 +264,19 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
                 comp_f[c] = kern_f[c] + elem_f[c]
                 comp_b[c] = kern_b[c] + elem_b[c]
                 if i + 1 < R:
-                    nxt = works[r][i + 1]
+                    nxt = rings[r].steps[i + 1]
                     step = plans[r].steps[i + 1]
                     out_link, out_inter = _link(cost.ring_intra, cost.ring_inter, c, step.dst * U + u, ranks_per_node)
                     in_link, in_inter = _link(cost.ring_intra, cost.ring_inter, c, step.src * U + u, ranks_per_node)
-                    send, recv = 2 * nxt.send_rows * kvh[u] * row, 2 * nxt.recv_rows * kvh[u] * row
+                    send, recv = kv_bytes(nxt.send_rows, kvh[u], D, B, e), kv_bytes(nxt.recv_rows, kvh[u], D, B, e)
                     x_next[c] = max(out_link.seconds(send, 2), in_link.seconds(recv, 2))
                     ring_inter = ring_inter or (send and out_inter) or (recv and in_inter)
-                    ring_bytes[c] += 2 * send  # forward, and again in the backward
                 if i > 0:
                     step = plans[r].steps[i]
                     back_link, _ = _link(cost.ring_intra, cost.ring_inter, c, step.src * U + u, ranks_per_node)
                     home_link, _ = _link(cost.ring_intra, cost.ring_inter, c, step.dst * U + u, ranks_per_node)
-                    send, recv = 2 * w.recv_rows * kvh[u] * row, 2 * w.send_rows * kvh[u] * row
+                    send, recv = kv_bytes(w.recv_rows, kvh[u], D, B, e), kv_bytes(w.send_rows, kvh[u], D, B, e)
                     x_grad[c] = max(back_link.seconds(send, 2), home_link.seconds(recv, 2))
-                    ring_bytes[c] += send
         c_f, c_b = _combine(comp_f, nodes, cost), _combine(comp_b, nodes, cost)
         kernels = _combine(kern_f, nodes, cost) + _combine(kern_b, nodes, cost)
         kernel_total += kernels
@@ -331,7 +295,10 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
     exposed_total += last
 
     # attention_work(placement, mask, num_heads=H), from the plans already built.
-    work = [sum(w.pairs for w in works[r]) * h[u] for r in range(R) for u in range(U)]
+    work = [rings[r].pairs * h[u] for r in range(R) for u in range(U)]
+    # Ring bytes sent per cp rank: K/V forward, again backward, and dK/dV back (Note [Plan cost]).
+    ring_bytes = [rank_cost(rings[r], heads[u], head_dim=D, batch=B, element_size=e).ring_bytes
+                  for r in range(R) for u in range(U)]
     return Candidate(
         ring_size=R,
         ulysses_size=U,

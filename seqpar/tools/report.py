@@ -1,121 +1,41 @@
-"""What every benchmark under ``scripts/`` shares: the launcher test, core counts, warnings about
-measurements that would mislead, ``RxU`` parsing, plain-text tables, the JSON output, the
-``--plot`` chart and readable ``--help``.
+"""What the scripts under ``scripts/`` print and save: plain-text tables, the JSON report, the
+``--plot`` bar chart and readable ``--help``.
 
 Every benchmark prints a readable table, then its notes and warnings, then the whole report as
 JSON on the **last line** of its output (``python scripts/bench_x.py | tail -n 1`` is
-machine-readable); ``--json PATH`` also writes it, indented, to a file, and ``--plot PATH`` saves
-a bar chart of its main ratios (:func:`plot_bars`; needs matplotlib, the ``train`` extra).
-
-The training and example scripts use :func:`plain` and :class:`HelpFormatter` for their
-``--help`` too.
+machine-readable, :func:`emit`); ``--json PATH`` also writes it, indented, to a file, and ``--plot
+PATH`` saves a bar chart of its main ratios (:func:`chart`, :func:`plot_bars`; needs matplotlib,
+the ``train`` extra). :func:`script_parser` and :func:`add_output_arguments` build those command
+lines; the training and example scripts use :func:`plain` and :class:`HelpFormatter` (or
+:func:`script_parser`) for their ``--help`` too.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import math
-import os
 import re
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
-    "under_torchrun",
-    "usable_cores",
-    "time_sharing_warning",
-    "few_iterations_warning",
-    "parse_configs",
     "table",
     "emit",
     "plain",
     "HelpFormatter",
+    "script_parser",
+    "add_output_arguments",
     "add_plot_argument",
+    "chart",
     "plot_bars",
 ]
 
 _MATPLOTLIB_MISSING = 'matplotlib is not installed; install it with: pip install -e ".[train]"'
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by ``torchrun`` (``RANK`` and ``WORLD_SIZE`` are set)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def check_on_ranks(run: Callable[[argparse.Namespace], float], args: argparse.Namespace) -> None:
-    """Run ``run(args)`` on every rank -- this process's under ``torchrun`` (gloo), else ``args.world``
-    local gloo ranks -- with ``args.ulysses`` defaulting to ``world // args.ring``; exit with
-    ``FAILED`` when any rank's error exceeds ``args.tol``, else print ``OK`` on rank 0."""
-    import torch.distributed as dist
-
-    if under_torchrun():
-        dist.init_process_group("gloo")
-        args.ulysses = args.ulysses or dist.get_world_size() // args.ring
-        errors = [run(args)]
-        dist.destroy_process_group()
-    else:
-        from seqpar.testing import DistPool
-
-        args.ulysses = args.ulysses or args.world // args.ring
-        with DistPool(args.world) as pool:
-            errors = pool.run(run, args)
-    if max(errors) > args.tol:
-        raise SystemExit(f"FAILED: max relative error {max(errors):.1e} > --tol {args.tol}")
-    if os.environ.get("RANK", "0") == "0":
-        print("OK: the parallel model matches one device")
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, not the machine's core count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def time_sharing_warning(ranks: int, cores: int, device: str) -> str | None:
-    """A warning when ``ranks`` single-threaded CPU ranks share fewer ``cores``, else ``None``.
-
-    Each rank then runs only part of the time: an absolute time or a speedup over one process is
-    not what the ranks would take on their own cores. Ratios between configurations measured the
-    same way in one run (same ranks, same cores, interleaved) remain comparable.
-    """
-    if device != "cpu" or ranks <= cores:
-        return None
-    return (
-        f"WARNING: {ranks} CPU ranks time-share {cores} core(s): absolute times and speedups over "
-        "one process include the time-sharing and do not predict one core per rank; compare only "
-        "ratios between configurations of this run"
-    )
-
-
-def few_iterations_warning(iters: int) -> str | None:
-    """A warning when a median is taken over fewer than 3 timed iterations."""
-    if iters >= 3:
-        return None
-    return f"WARNING: median over only {iters} timed iteration(s); use --iters 3 or more for stable ratios"
-
-
-def parse_configs(text: str, option: str = "--configs") -> list[tuple[int, int]]:
-    """``"4x1,2x2"`` -> ``[(4, 1), (2, 2)]`` (ring x Ulysses).
-
-    Raises:
-        SystemExit: for an item that is not two positive ints joined by ``x``.
-    """
-    out = []
-    for item in text.split(","):
-        try:
-            r, u = (int(x) for x in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"{option}: expected items like 2x2 (ring x ulysses), got {item!r}") from None
-        if r < 1 or u < 1:
-            raise SystemExit(f"{option}: ring and ulysses sizes must be positive, got {item!r}")
-        out.append((r, u))
-    return out
 
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -140,8 +60,8 @@ def emit(
     """Print ``text`` (the tables), the non-empty ``notes``, then ``report`` as one JSON line.
 
     ``report`` gets a ``"notes"`` entry with the notes; ``json_path`` also receives it, indented.
-    ``plot`` (``--plot``: e.g. a ``functools.partial`` of :func:`plot_bars`) is called after the
-    notes, so that the JSON line stays the last line of the output.
+    ``plot`` (``--plot``: :func:`chart`) is called after the notes, so that the JSON line stays the
+    last line of the output.
     """
     notes = [n for n in notes if n]
     report = {**report, "notes": notes}
@@ -224,6 +144,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # --plot
 
 
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's command line: ``doc`` (its module docstring) as the description, in plain text,
+    and every option's default shown (:class:`HelpFormatter`)."""
+    return argparse.ArgumentParser(description=plain(doc), formatter_class=HelpFormatter)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, chart: str) -> None:
+    """A benchmark's last two options: ``--json PATH`` (also write the JSON report to this file)
+    and ``--plot PATH`` (save a bar chart of ``chart``, :func:`add_plot_argument`)."""
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the JSON report to this file")
+    add_plot_argument(parser, chart)
+
+
 def _plot_path(text: str) -> str:
     """``--plot``'s type: fails at parse time (not after the run) without matplotlib or with a
     missing folder."""
@@ -244,6 +177,12 @@ def add_plot_argument(parser: argparse.ArgumentParser, chart: str) -> None:
         help=f"save a bar chart of {chart} to this image (PNG, SVG or PDF, by suffix); needs matplotlib: "
         'pip install -e ".[train]"',
     )
+
+
+def chart(path: str | Path | None, *args: object, **kwargs: object) -> Callable[[], None] | None:
+    """``--plot``'s chart for :func:`emit`: :func:`plot_bars` of ``path`` and the arguments, to be
+    called later; ``None`` when no ``path`` was given."""
+    return None if path is None else functools.partial(plot_bars, path, *args, **kwargs)
 
 
 def plot_bars(

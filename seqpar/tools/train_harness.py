@@ -1,4 +1,4 @@
-"""What ``train_lm.py`` and ``train_dit.py`` share: launch, training loop, ``--check``, plot.
+"""What ``scripts/train_lm.py`` and ``scripts/train_dit.py`` share: launch, training loop, ``--check``, plot.
 
 A training script supplies its model, its data and two losses -- this rank's share of a step's
 global loss under context parallelism, and the full loss of one data-parallel replica's batch on
@@ -18,17 +18,17 @@ one device -- and calls, in order::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import seqpar
 from seqpar.training import global_loss
+
+from .bench import torchrun_group
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -52,25 +52,12 @@ def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace, torch.
     """Run ``train(args, device)`` on this torchrun rank inside a process group; return its code.
 
     CUDA (one GPU per local rank, NCCL) when available, else CPU with gloo and the cores split
-    evenly between the node's ranks. ``--check-steps`` is capped at ``--steps``.
+    evenly between the node's ranks (``seqpar.tools.bench.torchrun_group``, which also makes the
+    ranks leave together). ``--check-steps`` is capped at ``--steps``.
     """
     args.check_steps = min(args.check_steps, args.steps)
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=10))
-    try:
-        code = train(args, device)
-        # Leave together: a gloo rank that tears down while its peers still use their
-        # connections can abort ("terminate called without an active exception").
-        dist.barrier()
-        return code
-    finally:
-        dist.destroy_process_group()
+    with torchrun_group("auto", timeout_s=600, split_cpu_threads=True) as device:
+        return train(args, device)
 
 
 def parallel_state(script: str, args: argparse.Namespace) -> seqpar.ParallelState:

@@ -31,7 +31,6 @@ when the group spans nodes) is taken from the preset of the device type and list
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import torch
@@ -40,10 +39,11 @@ from ..backends import get_backend
 from ..comm import Workspace, all_to_all, group_rank, group_size, post, reduce_
 from ..parallel.ring import RingSetup, ring_backward, ring_forward
 from ..placement import Mask, Placement, ring_plan
-from ..profiling import iteration_seconds, sync
+from ..placement.cost import kernel_flops, square_pairs
+from .profiling import median_seconds, sync
 from ..state import ParallelState, require_state
-from .cost import KINDS, CostModel, KernelRates, Link
-from .predict import Shape, predict
+from ..planner.cost import KINDS, CostModel, KernelRates, Link
+from ..planner.predict import Shape, predict
 
 __all__ = ["calibrate"]
 
@@ -56,7 +56,9 @@ _SMALL_BYTES = 4096
 
 
 def _median(fn, repeats: int, device: torch.device, group, *, together: bool = True) -> float:
-    return statistics.median(iteration_seconds(fn, repeats, device, warmup=1, barrier=together, group=group))
+    """This rank's median of ``repeats`` calls after a warm-up, all ranks starting each call
+    together unless ``together`` is off (the slowest rank is taken later, for every time at once)."""
+    return median_seconds(fn, repeats, device, group, warmup=1, barrier=together, over_ranks=False)
 
 
 def _elementwise_seconds(nbytes: int, device: torch.device, repeats: int, group) -> float:
@@ -239,8 +241,9 @@ def _model(
     latency = max(0.0, min(t["alone.kernel.small.fwd"], t["alone.kernel.small.bwd"]))
     n, _ = cases["full"]
     (_, (left, _)) = cases["window"]
-    pairs = {"full": n * n, "causal": n * (n + 1) // 2, "window": sum(min(i, left) + 1 for i in range(n))}
-    per_pair = {"fwd": 4 * heads * head_dim, "bwd": 10 * heads * head_dim}
+    pairs = {"full": square_pairs(n, False), "causal": square_pairs(n, True),
+             "window": sum(min(i, left) + 1 for i in range(n))}
+    per_pair = {"fwd": kernel_flops(heads, head_dim), "bwd": kernel_flops(heads, head_dim, backward=True)}
     seconds = {(k, d): max(t[f"alone.kernel.{k}.{d}"] - latency, 1e-9) for k in KINDS for d in per_pair}
     rate = {d: per_pair[d] * pairs["full"] / seconds["full", d] for d in per_pair}
     rates = {}

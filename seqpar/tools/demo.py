@@ -1,4 +1,4 @@
-"""``python -m seqpar demo``: hybrid attention on local ranks, checked against one device.
+"""``python -m seqpar.tools.demo``: hybrid attention on local ranks, checked against one device.
 
 The demo spawns ``--world-size`` processes (gloo on CPU; NCCL when there are enough GPUs), runs
 ``seqpar.attention`` forward and backward on one long sequence sharded over a ring x Ulysses
@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
+
+from .profiling import PeakMemory, PhaseTimer
 
 __all__ = ["add_arguments", "help_description", "run"]
 
@@ -100,42 +102,28 @@ def _inputs(cfg: _Config, dp_rank: int) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _measure(call, device: torch.device, iters: int, sync) -> dict:
+def _measure(call, timer: PhaseTimer, iters: int) -> dict:
     """Median forward/backward seconds of ``call() -> (out, backward)`` after one warm-up call,
-    and the tensor bytes one call creates (CUDA: the allocator's peak above the start)."""
-    from .profiling import StorageTracker
-
+    each phase ended by a mark of ``timer``, and the tensor bytes one call creates at its peak
+    (``PeakMemory``: CUDA the allocator's peak above the start, CPU storages created)."""
     out, backward = call()  # warm-up: imports, workspace, caches
     backward()
     del out
     fwd, bwd = [], []
     for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
+        timer.start()
         out, backward = call()
-        sync()
-        t1 = time.perf_counter()
+        timer.mark()
         backward()
-        sync()
-        fwd.append(t1 - t0)
-        bwd.append(time.perf_counter() - t1)
+        f, b = timer.stop()
+        fwd.append(f)
+        bwd.append(b)
         del out
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    with PeakMemory(timer.device) as mem:
         out, backward = call()
         backward()
         del out
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - start
-    else:
-        with StorageTracker() as tracker:
-            out, backward = call()
-            backward()
-            del out
-        peak = tracker.peak
-    return {"fwd_ms": 1e3 * statistics.median(fwd), "bwd_ms": 1e3 * statistics.median(bwd), "peak_bytes": peak}
+    return {"fwd_ms": 1e3 * statistics.median(fwd), "bwd_ms": 1e3 * statistics.median(bwd), "peak_bytes": mem.peak}
 
 
 def _attention_call(seqpar, q, k, v, dout, state, cfg: _Config, seq_len: int):
@@ -172,12 +160,9 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
         q, k, v, dout = (seqpar.shard(t, state).to(device, dtype) for t in _inputs(cfg, state.dp_rank))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
-        def sync() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier(group=state.cp_group)
-
-        stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), device, cfg.iters, sync)
+        # Every mark waits for the device and for the CP group: a phase lasts as on its slowest rank.
+        timer = PhaseTimer(device, barrier=True, group=state.cp_group)
+        stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), timer, cfg.iters)
         for t in (q, k, v):
             t.grad = None
         out = seqpar.attention(q, k, v, state, causal=cfg.causal, backend=cfg.backend, seq_len=cfg.seq_len)
@@ -197,7 +182,7 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
             "dv": v.grad.cpu(),
         }
         torch.save(result, os.path.join(store_dir, f"rank{rank}.pt"))
-        dist.barrier()  # tear down together (see scripts/_train_harness.py)
+        dist.barrier()  # tear down together (see seqpar.tools.bench.torchrun_group)
         state.close()
     finally:
         dist.destroy_process_group()
@@ -216,11 +201,7 @@ def _single_device(cfg: _Config) -> dict:
         q, k, v, dout = (t.to(device, _DTYPES[cfg.dtype]) for t in _inputs(cfg, 0))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
-        def sync() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), device, cfg.iters, sync)
+        stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), PhaseTimer(device), cfg.iters)
         stats["workspace_bytes"] = state.workspace.nbytes
         return stats
     finally:
@@ -399,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m seqpar.demo``."""
+    """Entry point for ``python -m seqpar.tools.demo``."""
     parser = argparse.ArgumentParser(
         prog="seqpar demo", description=help_description(), formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,0 +1,407 @@
+"""Measure the time and the memory of an operation, on any device (benchmarks and tests).
+
+Time: ``PhaseTimer`` reads the seconds between marks of one call (the device synchronised at each
+mark, or CUDA events); ``iteration_seconds`` times each call of a function with it, every rank
+starting each call together; ``max_over_ranks`` takes the slowest rank per iteration and
+``median_seconds`` the median, by default the slowest rank's (a collective finishes when its
+slowest rank does). Every timing in ``seqpar.tools`` and ``scripts/`` goes through these.
+
+Memory: ``StorageTracker`` is a ``TorchDispatchMode``: every ATen op run while it is active is
+inspected, and each storage that an op's outputs bring into existence (not a view of, or an
+in-place/out= write to, an input) is counted -- ``allocated`` sums them, ``current``/``peak``
+follow the ones still alive (weak references), so ``peak`` is the high-water mark of tensor
+memory created inside the block. Kernel scratch that never becomes a tensor is not seen.
+Collectives that write into preallocated outputs allocate nothing of their own. ``PeakMemory``
+picks a peak measure per device (the CUDA allocator's, ``StorageTracker``'s, or the resident
+set's) and is how ``seqpar.tools`` and ``scripts/`` read a peak; ``maxrss_bytes`` is the process's
+resident high-water mark since it started.
+
+Communication: ``CollectiveRecorder`` counts the ``torch.distributed`` collectives called while it
+is active, and the bytes handed to them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "CollectiveRecorder",
+    "PeakMemory",
+    "PhaseTimer",
+    "StorageTracker",
+    "iteration_seconds",
+    "max_over_ranks",
+    "maxrss_bytes",
+    "median_seconds",
+    "sync",
+]
+
+
+def sync(device: torch.device) -> None:
+    """Wait until the work queued on ``device`` is done (CUDA); CPU ops run eagerly, a no-op."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PhaseTimer:
+    """Seconds between the marks of one timed call on ``device``.
+
+    ``start()`` opens the call, each ``mark()`` ends a phase, ``stop()`` ends the last one and
+    returns every phase's seconds::
+
+        timer = PhaseTimer(device)
+        timer.start()
+        out = forward()
+        timer.mark()
+        out.backward(dout)
+        fwd_s, bwd_s = timer.stop()
+
+    By default every mark synchronises ``device`` (:func:`sync`), then waits at a barrier of
+    ``group`` when ``barrier`` is set and a process group is initialised (all ranks pass the mark
+    together: a phase then lasts as long as on the slowest rank), and reads ``perf_counter``. With
+    ``events`` on a CUDA device a mark records a CUDA event instead and ``stop`` synchronises once:
+    device time of each phase, the host not blocked in between (``barrier`` does not apply).
+    """
+
+    def __init__(
+        self, device: torch.device, *, events: bool = False, barrier: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.events = events and self.device.type == "cuda"
+        self.barrier, self.group = barrier, group
+        self._marks: list = []
+
+    def _now(self):
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        sync(self.device)
+        if self.barrier and dist.is_initialized():
+            dist.barrier(group=self.group)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """Open a call: its first mark."""
+        self._marks = [self._now()]
+
+    def mark(self) -> None:
+        """End a phase (and begin the next)."""
+        self._marks.append(self._now())
+
+    def stop(self) -> list[float]:
+        """End the last phase; returns the seconds of every phase since :meth:`start`, in order."""
+        self.mark()
+        marks, self._marks = self._marks, []
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+        return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def iteration_seconds(
+    fn: Callable[[], object],
+    iters: int,
+    device: torch.device,
+    *,
+    warmup: int = 1,
+    barrier: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """Wall-clock seconds of each of ``iters`` calls of ``fn`` on this rank, after ``warmup``
+    untimed calls.
+
+    Each timed call starts after a barrier of ``group`` (the default group for ``None``) when
+    ``barrier`` is set and a process group is initialised, so that all ranks start it together;
+    ``device`` is synchronised before and after the call, so a time covers the device work that
+    ``fn`` queued. Pass ``barrier=False`` when only some ranks of the group time ``fn``.
+
+    Returns:
+        ``iters`` times in seconds, in call order (this rank's only; see :func:`max_over_ranks`).
+    """
+    for _ in range(warmup):
+        fn()
+    together = barrier and dist.is_initialized()
+    timer = PhaseTimer(device)
+    times = []
+    for _ in range(iters):
+        if together:
+            dist.barrier(group=group)
+        timer.start()
+        fn()
+        times.append(timer.stop()[0])
+    return times
+
+
+def max_over_ranks(
+    seconds: list[float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """Element-wise maximum of ``seconds`` over the ranks of ``group`` (a collective: every rank
+    passes as many values): per iteration, the slowest rank's time. Unchanged without a process
+    group. ``device`` holds the reduction's buffer (the backend's device, e.g. CUDA for NCCL)."""
+    if not dist.is_initialized():
+        return list(seconds)
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def median_seconds(
+    fn: Callable[[], object],
+    iters: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    *,
+    warmup: int = 1,
+    barrier: bool = True,
+    over_ranks: bool = True,
+) -> float:
+    """The median time of ``fn``, in seconds: by default the slowest rank's.
+
+    Each rank takes the median of ``iters`` timed calls after ``warmup`` untimed ones (see
+    :func:`iteration_seconds` for ``barrier`` and ``group``). With ``over_ranks`` the result is
+    the largest of these medians over the ranks of ``group`` -- a collective finishes when its
+    slowest rank does -- and the call is a collective itself; without it, or without a process
+    group, this process's own median.
+
+    Raises:
+        ValueError: if ``iters < 1``.
+    """
+    if iters < 1:
+        raise ValueError(f"median_seconds needs iters >= 1 timed calls, got iters={iters}")
+    mine = statistics.median(iteration_seconds(fn, iters, device, warmup=warmup, barrier=barrier, group=group))
+    return max_over_ranks([mine], device, group)[0] if over_ranks else mine
+
+
+class StorageTracker(TorchDispatchMode):
+    """Bytes of tensor storage created while active.
+
+    Attributes:
+        allocated: total bytes of every new storage (freed or not).
+        current: bytes of new storages still alive.
+        peak: the largest ``current`` seen.
+
+    Example::
+
+        with StorageTracker() as mem:
+            y = all_to_all(x, group, 2, 1)
+        assert mem.allocated <= 2 * x.nbytes
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.allocated = 0
+        self.current = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        inputs = {
+            t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.live and key not in inputs:
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.allocated += storage.nbytes()
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def maxrss_bytes() -> int:
+    """The resident-set high-water mark of this process since it started (``ru_maxrss``), in
+    bytes (Unix)."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _release_free_memory() -> None:
+    """Make the resident set follow live allocations: map large blocks, return free pages to the OS.
+
+    glibc raises its mmap threshold after the first large free and then keeps freed blocks
+    resident for reuse, so the resident high-water mark would miss most allocations. We fix the
+    threshold at 64 KiB (blocks above it are unmapped on free) and ``malloc_trim(0)`` the free
+    pages already held, so every page a tensor touches after this counts (page granularity).
+
+    Raises:
+        OSError: without glibc (no libc found, or ``mallopt`` refused).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        raise OSError("libc not found")
+    libc = ctypes.CDLL(name)
+    m_mmap_threshold = -3
+    if libc.mallopt(m_mmap_threshold, 64 * 1024) != 1:
+        raise OSError("mallopt(M_MMAP_THRESHOLD) failed")
+    libc.malloc_trim(0)
+
+
+def _proc_status(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (Linux), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(field)
+
+
+class PeakMemory:
+    """Peak bytes of memory allocated inside a ``with`` block, above the level at its start.
+
+    What is measured depends on the device:
+
+    * CUDA: the caching allocator's high-water mark (``torch.cuda.max_memory_allocated``), the
+      device synchronised at both ends -- every tensor and workspace allocated through PyTorch.
+    * CPU, ``resident=False``: :class:`StorageTracker`'s ``peak`` -- storages created by ATen
+      ops while they are alive; not a kernel's internal scratch.
+    * CPU, ``resident=True`` (Linux, glibc): the resident-set high-water mark (``VmHWM``, reset
+      through ``/proc/self/clear_refs``) minus the resident set at the start -- all memory the
+      process touches (tensors, kernel scratch, other threads), at page granularity, after
+      :func:`_release_free_memory`. ``peak`` is ``None`` where this cannot be measured.
+
+    Attributes:
+        peak: the bytes, set when the block exits normally (``None`` until then, or if unknown).
+        start_bytes: CUDA: the bytes allocated when the block started (``peak`` is above them);
+            ``None`` on the CPU.
+
+    Example::
+
+        with PeakMemory(device) as mem:
+            step()
+        print(mem.peak)
+    """
+
+    def __init__(self, device: torch.device, *, resident: bool = False) -> None:
+        self.device, self.resident = torch.device(device), resident
+        self.peak: int | None = None
+        self.start_bytes: int | None = None
+        self._base: int | None = None
+        self._end: int | None = None
+        self._tracker: StorageTracker | None = None
+
+    def held(self) -> int | None:
+        """Bytes of what the block allocated that are still held: on CUDA those allocated at its
+        exit above its start; on the CPU (``resident=False``) the storages it created that are
+        alive now. ``peak - held()`` is the block's transient memory. ``None`` for the resident
+        set."""
+        if self._tracker is not None:
+            self._tracker._sweep()
+            return self._tracker.current
+        if self.device.type == "cuda" and self._end is not None and self._base is not None:
+            return self._end - self._base
+        return None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            sync(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = self.start_bytes = torch.cuda.memory_allocated(self.device)
+        elif self.resident:
+            try:
+                _release_free_memory()
+                # Linux: writing 5 to clear_refs resets the resident-set high-water mark (VmHWM).
+                Path("/proc/self/clear_refs").write_text("5")
+                self._base = _proc_status("VmRSS")
+            except OSError:
+                self._base = None
+        else:
+            self._tracker = StorageTracker().__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            return
+        if self._tracker is not None:
+            self.peak = self._tracker.peak
+        elif self._base is None:
+            self.peak = None
+        elif self.device.type == "cuda":
+            sync(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self._end = torch.cuda.memory_allocated(self.device)
+        else:
+            self.peak = _proc_status("VmHWM") - self._base
+
+
+class CollectiveRecorder:
+    """Counts the ``torch.distributed`` collectives called while active, and the bytes sent.
+
+    The functions seqpar's ``comm`` package calls (``NAMES``) are replaced on the
+    ``torch.distributed`` module for the block (seqpar looks them up at call time) and restored
+    at exit. ``counts[name]``: calls of each function; ``bytes[name]``: bytes of the tensors it
+    was handed to send (a flat collective's input, the first tensor otherwise; for
+    ``batch_isend_irecv`` the sends only, whose number is ``counts["p2p_send_ops"]``).
+    """
+
+    NAMES = ("all_to_all_single", "batch_isend_irecv", "all_gather_single", "all_gather_into_tensor",
+             "all_gather", "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "barrier")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._saved: dict[str, Callable] = {}
+
+    def _add(self, name: str, nbytes: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.bytes[name] = self.bytes.get(name, 0) + nbytes
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                ops = args[0] if args else kwargs["p2p_op_list"]
+                sends = [op.tensor for op in ops if op.op is dist.isend]
+                self._add(name, sum(t.numel() * t.element_size() for t in sends))
+                self.counts["p2p_send_ops"] = self.counts.get("p2p_send_ops", 0) + len(sends)
+            else:
+                # The tensor sent: the input of the flat forms (second positional), else the first.
+                t = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else (
+                    args[0] if args and isinstance(args[0], torch.Tensor) else None)
+                self._add(name, 0 if t is None else t.numel() * t.element_size())
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __enter__(self) -> CollectiveRecorder:
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+    @property
+    def gathers(self) -> int:
+        """All-gather calls of any form."""
+        return sum(self.counts.get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor", "all_gather"))
