@@ -17,24 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _common import DTYPES, TOL
 import seqpar
 from seqpar import ParallelState, SequenceParallelAttention, shard
+from seqpar.prepare import to_bshd  # a bshd view in a layout; its own inverse
 from seqpar.backends.reference import reference_attention
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Max abs error relative to max(1, max |reference|).
-_TOL = {"float64": 1e-10, "float32": 1e-4}
 # bf16, flash-attn's rule: error <= 2 x that of a single-device bf16 computation + eps.
 _BF16_FACTOR, _BF16_EPS = 2.0, 2e-3
 _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
-
-
-def _to_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """A bshd tensor viewed in ``layout``."""
-    return {"bshd": x, "sbhd": x.transpose(0, 1), "bhsd": x.transpose(1, 2)}[layout]
-
-
-_to_bshd = _to_layout  # both transposes are involutions
 
 
 def _global_inputs(c: dict) -> list[torch.Tensor]:
@@ -63,7 +55,7 @@ def _rank_attention(factorizations: list[tuple[int, int]], cases: list[dict]) ->
 
 
 def _run_case(state: ParallelState, c: dict) -> list[tuple]:
-    dtype, layout, seq_dim = _DTYPES[c["dtype"]], c["layout"], _SEQ_DIM[c["layout"]]
+    dtype, layout, seq_dim = DTYPES[c["dtype"]], c["layout"], _SEQ_DIM[c["layout"]]
     desc = (
         f"R={state.ring_size} U={state.ulysses_size} dp={state.dp_size} cp_rank={state.cp_rank} "
         f"{c}"
@@ -72,7 +64,7 @@ def _run_case(state: ParallelState, c: dict) -> list[tuple]:
     # Cast first so that the float64 reference sees exactly the inputs seqpar sees.
     full[:3] = [t.to(dtype).double() for t in full[:3]]
     ref = _reference(*full, c["causal"], torch.float64)
-    leaves = [_to_layout(t.to(dtype), layout).requires_grad_() for t in full[:3]]
+    leaves = [to_bshd(t.to(dtype), layout).requires_grad_() for t in full[:3]]
     q, k, v = (shard(t, state, dim=seq_dim) for t in leaves)
     kwargs = dict(causal=c["causal"], layout=layout, backend=c["backend"])
     seq_len = c["S"] if c["seq_len_kw"] else None
@@ -82,13 +74,13 @@ def _run_case(state: ParallelState, c: dict) -> list[tuple]:
         out = seqpar.attention(q, k, v, state, seq_len=seq_len, **kwargs)
     if out.dtype != dtype or out.shape != q.shape:
         return [(desc, f"output {out.dtype} {tuple(out.shape)} vs q {tuple(q.shape)}", 1.0, 0.0)]
-    dout = shard(_to_layout(full[3], layout), state, dim=seq_dim).to(dtype)
+    dout = shard(to_bshd(full[3], layout), state, dim=seq_dim).to(dtype)
     grads = torch.autograd.grad((out * dout).sum(), leaves)
-    got = [_to_bshd(out.detach(), layout).double()]
+    got = [to_bshd(out.detach(), layout).double()]
     for g in grads:
         g = g.clone()
         dist.all_reduce(g, group=state.cp_group)
-        got.append(_to_bshd(g, layout).double())
+        got.append(to_bshd(g, layout).double())
     want = [shard(ref[0], state, dim=1), *ref[1:]]
     if dtype == torch.bfloat16:
         same_dtype = _reference(*full, c["causal"], torch.bfloat16)
@@ -101,7 +93,7 @@ def _run_case(state: ParallelState, c: dict) -> list[tuple]:
             base_err = (base[i] - want[i]).abs().max().item() / scale if want[i].numel() else 0.0
             tol = _BF16_FACTOR * base_err + _BF16_EPS
         else:
-            tol = _TOL[c["dtype"]]
+            tol = TOL[c["dtype"]]
         out.append((desc, name, err, tol))
     return out
 
@@ -312,9 +304,9 @@ def test_single_process_without_process_group():
     q, k, v, _ = _global_inputs(dict(B=2, S=11, H=6, Hkv=2, D=8, seed=3))
     want = reference_attention(q, k, v, causal=True)
     for layout in ("bshd", "sbhd", "bhsd"):
-        out = seqpar.attention(*(_to_layout(t, layout) for t in (q, k, v)), ParallelState(), causal=True, layout=layout)
-        assert out.shape == _to_layout(q, layout).shape, layout
-        assert (_to_bshd(out, layout) - want).abs().max().item() < 1e-10, layout
+        out = seqpar.attention(*(to_bshd(t, layout) for t in (q, k, v)), ParallelState(), causal=True, layout=layout)
+        assert out.shape == to_bshd(q, layout).shape, layout
+        assert (to_bshd(out, layout) - want).abs().max().item() < 1e-10, layout
     module = SequenceParallelAttention(ParallelState(), causal=True, softmax_scale=0.3)
     assert "causal=True" in repr(module)
     want = reference_attention(q, k, v, causal=True, scale=0.3)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _common import DTYPES, TOL
 from seqpar.backends import AttentionBackend, available_backends, get_backend
 from seqpar.backends import flash_attn as flash_attn_module
 from seqpar.backends.base import (
@@ -37,9 +38,6 @@ from seqpar.parallel.merge import merge_, new_accumulators
 
 NEG_INF = float("-inf")
 CPU_BACKENDS = ["reference", "cpu"]
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-_TOL = {"float64": 1e-10, "float32": 1e-4}
 # (H, Hkv): every Hkv in {1, 2, H} that divides H.
 _HEADS = [(h, hkv) for h in (1, 3, 4, 6, 8) for hkv in sorted({1, 2, h}) if h % hkv == 0]
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -91,8 +89,8 @@ def _assert_accurate(name, actual, ref64, same_dtype, dtype_name):
         return
     err = (actual - ref64).abs().max().item()
     scale = max(1.0, ref64.abs().max().item())
-    if dtype_name in _TOL:
-        tol = _TOL[dtype_name] * scale
+    if dtype_name in TOL:
+        tol = TOL[dtype_name] * scale
     else:
         base = (same_dtype - ref64).abs().max().item()
         tol = 2 * base + 1e-2 * scale
@@ -105,14 +103,14 @@ def _cu(lens, device="cpu"):
 
 def _check_dense(name, device, dtype_name, b, sq, sk, h, hkv, d, causal, seed=0, window=(-1, -1),
                  softcap=0.0, scale=None):
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     scale = d**-0.5 if scale is None else scale
     options = dict(window=window, softcap=softcap, scale=scale)
     backend = get_backend(name, device, dtype, window=window != (-1, -1), softcap=softcap > 0)
     q, k, v, dout = _dense_inputs(b, sq, sk, h, hkv, d, seed)
     ref = _reference_dense(q, k, v, dout, causal, torch.float64, **options)
     same = (_reference_dense(*(t.to(device) for t in (q, k, v, dout)), causal, dtype, **options)
-            if dtype_name not in _TOL else ref)
+            if dtype_name not in TOL else ref)
     args = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     out, lse = backend.forward(*args[:3], causal=causal, **options)
     assert out.dtype == dtype and out.device.type == torch.device(device).type
@@ -126,7 +124,7 @@ def _check_dense(name, device, dtype_name, b, sq, sk, h, hkv, d, causal, seed=0,
 
 def _check_varlen(name, device, dtype_name, lens_q, lens_k, h, hkv, d, causal, seed=0,
                   window=(-1, -1), softcap=0.0, scale=None):
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     options = dict(window=window, softcap=softcap, scale=d**-0.5 if scale is None else scale)
     backend = get_backend(name, device, dtype, window=window != (-1, -1), softcap=softcap > 0)
     gen = torch.Generator().manual_seed(seed)
@@ -136,7 +134,7 @@ def _check_varlen(name, device, dtype_name, lens_q, lens_k, h, hkv, d, causal, s
     ref = _reference_varlen(q, k, v, dout, lens_q, lens_k, causal, torch.float64, **options)
     same = (_reference_varlen(*(t.to(device) for t in (q, k, v, dout)), lens_q, lens_k, causal,
                               dtype, **options)
-            if dtype_name not in _TOL else ref)
+            if dtype_name not in TOL else ref)
     args = [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
     cu = (_cu(lens_q, device), _cu(lens_k, device), max(lens_q, default=0),
           max(lens_k, default=0))
@@ -293,7 +291,7 @@ def test_backward_uses_external_global_out_and_lse(name, dtype_name, heads):
 
 
 def _external_lse_case(name, device, dtype_name, heads):
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     backend = get_backend(name, device, dtype)
     h, hkv = heads
     b, s, d = 2, 29, 16
@@ -303,7 +301,7 @@ def _external_lse_case(name, device, dtype_name, heads):
     # (causal). Non-causal: all rows see both key chunks.
     ref = _reference_dense(q, k, v, dout, True, torch.float64)
     same = (_reference_dense(*(t.to(device) for t in (q, k, v, dout)), True, dtype)
-            if dtype_name not in _TOL else ref)
+            if dtype_name not in TOL else ref)
     qd, kd, vd, doutd = (t.to(device=device, dtype=dtype) for t in (q, k, v, dout))
     r0, r1 = slice(0, split), slice(split, s)
     blocks = [(r0, r0, True), (r1, r0, False), (r1, r1, True)]  # (rows, cols, causal)
@@ -456,7 +454,7 @@ def test_cpu_varlen_plan_covers_every_path():
 def test_varlen_backward_uses_external_global_out_and_lse(name, dtype_name):
     # Every sequence's keys split in two parts, each part a varlen call; merged with merge_; each
     # call's backward with the merged out/lse; gradients summed = full gradients.
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     backend = get_backend(name, "cpu", dtype)
     lens = [7, 0, 1, 40, 3, 3, 150, 12, 12, 5]
     part_a = [n // 3 for n in lens]
@@ -884,7 +882,7 @@ _CUDA_CASES = [
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
 def test_cuda_dense_matches_reference(dtype_name, causal, case):
     b, sq, sk, h, hkv, d = case
-    names = _cuda_backends(_DTYPES[dtype_name])
+    names = _cuda_backends(DTYPES[dtype_name])
     if not names:
         pytest.skip(f"no CUDA kernel backend for {dtype_name} on this GPU")
     for name in names:
@@ -895,7 +893,7 @@ def test_cuda_dense_matches_reference(dtype_name, causal, case):
 @_CUDA
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
 def test_cuda_edge_cases(dtype_name):
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     for name in _cuda_backends(dtype):
         backend = get_backend(name, "cuda", dtype)
         for sq, sk in ((0, 5), (7, 0), (0, 0)):
@@ -921,7 +919,7 @@ def test_cuda_edge_cases(dtype_name):
 @_CUDA
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
 def test_cuda_backward_uses_external_global_out_and_lse(dtype_name):
-    for name in _cuda_backends(_DTYPES[dtype_name]):
+    for name in _cuda_backends(DTYPES[dtype_name]):
         _external_lse_case(name, "cuda", dtype_name, (4, 2))
 
 
@@ -932,7 +930,7 @@ def test_cuda_backward_uses_external_global_out_and_lse(dtype_name):
 def test_cuda_varlen_matches_reference(dtype_name, causal):
     lens_q = _VARLEN_CASES["mixed"][0]
     lens_k = _key_lengths(lens_q, causal, seed=1)
-    for name in _cuda_backends(_DTYPES[dtype_name]):
+    for name in _cuda_backends(DTYPES[dtype_name]):
         for heads in ((4, 2), (3, 3)):
             _check_varlen(name, "cuda", dtype_name, lens_q, lens_k, *heads, 64, causal)
 
@@ -943,7 +941,7 @@ def test_cuda_varlen_matches_reference(dtype_name, causal):
 def test_cuda_windows_and_softcap(dtype_name):
     # Windows run on the FlashAttention kernels that have them; softcap on flash-attn, else the
     # reference math (what "auto" picks).
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     for window in ((0, 0), (7, 0), (5, 3), (-1, 4)):
         names = [n for n in ("torch_flash", "flash_attn")
                  if n in _cuda_backends(dtype) and get_backend("auto", "cuda", dtype, window=True)]

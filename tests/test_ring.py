@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from _common import DTYPES, TOL
 import seqpar
 from seqpar import ParallelState
 from seqpar.backends import get_backend
@@ -21,8 +22,6 @@ from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_pl
 from seqpar.placement.ring import BlockCall, tile_pairs
 from seqpar.parallel.ring import RingSetup, ring_backward, ring_forward
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-_TOL = {"float64": 1e-10, "float32": 1e-4}
 _HEADS = [(h, hkv) for h in (1, 3, 4, 6, 8) for hkv in sorted({1, 2, h}) if h % hkv == 0]
 
 
@@ -271,7 +270,7 @@ def _check_cases(cases):
     results = []
     for case in cases:
         seq_len, b, h, hkv, d, causal, dtype_name, backend, seed = case
-        dtype = _DTYPES[dtype_name]
+        dtype = DTYPES[dtype_name]
         q, k, v, dout = _full_inputs(seq_len, b, h, hkv, d, seed)
         leaves = [t.to(dtype).double().requires_grad_() for t in (q, k, v)]
         ref = reference_attention(*leaves, causal=causal)
@@ -285,7 +284,7 @@ def _check_cases(cases):
             base = [base_out, *torch.autograd.grad(base_out, same, dout.to(dtype))]
             tols = [2 * (x.double() - y).abs().max().item() + 2e-3 for x, y in zip(base, [ref, *ref_grads])]
         else:
-            tols = [_TOL[dtype_name] * max(1.0, y.abs().max().item()) for y in (ref, *ref_grads)]
+            tols = [TOL[dtype_name] * max(1.0, y.abs().max().item()) for y in (ref, *ref_grads)]
         for name, x, y, tol in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), tols):
             y = seqpar.shard(y.detach(), state)
             err = (x.double() - y).abs().max().item() if y.numel() else 0.0

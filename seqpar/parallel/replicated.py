@@ -6,7 +6,7 @@ In joint text+image attention (Flux, SD3, HunyuanVideo) the ``P`` text tokens ar
 every CP rank and the image tokens are sharded. Attention is non-causal, so:
 
 - *image queries* attend the image keys of all ranks (Ulysses/ring, as usual) plus the text keys,
-  which every rank has: the text K/V join the ring as local extra keys (``ring_attention``'s
+  which every rank has: the text K/V join the ring as local extra keys (``ring_forward``'s
   ``extra_k``/``extra_v``, sliced to the rank's heads under Ulysses) and never travel;
 - *text queries* attend the text keys (the same block on every rank) and the image keys of every
   rank. Each rank computes the text queries against its own image shard only (all heads, before
