@@ -3,34 +3,10 @@
 ``python -m seqpar.one_rank`` runs ``python -m seqpar.tools.one_rank``.
 """
 
-from .tools.one_rank import (
-    MaxLenSearch,
-    OneRankConfig,
-    fake_world,
-    instrument,
-    main,
-    max_seq_len,
-    measure,
-    mixed_doc_lens,
-    rank_work,
-    run_one_rank,
-    run_tasks,
-    search_max_seq_len,
-)
-
-__all__ = [
-    "OneRankConfig",
-    "MaxLenSearch",
-    "run_one_rank",
-    "search_max_seq_len",
-    "run_tasks",
-    "measure",
-    "max_seq_len",
-    "fake_world",
-    "mixed_doc_lens",
-    "rank_work",
-    "instrument",
-]
+from .tools.one_rank import *  # noqa: F403 (the moved module's public names)
+from .tools.one_rank import __all__  # noqa: F401
 
 if __name__ == "__main__":
+    from .tools.one_rank import main
+
     main()

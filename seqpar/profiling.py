@@ -1,25 +1,4 @@
 """Moved to seqpar.tools.profiling; this alias is kept for existing imports."""
 
-from .tools.profiling import (
-    CollectiveRecorder,
-    PeakMemory,
-    PhaseTimer,
-    StorageTracker,
-    iteration_seconds,
-    max_over_ranks,
-    maxrss_bytes,
-    median_seconds,
-    sync,
-)
-
-__all__ = [
-    "CollectiveRecorder",
-    "PeakMemory",
-    "PhaseTimer",
-    "StorageTracker",
-    "iteration_seconds",
-    "max_over_ranks",
-    "maxrss_bytes",
-    "median_seconds",
-    "sync",
-]
+from .tools.profiling import *  # noqa: F403 (the moved module's public names)
+from .tools.profiling import __all__  # noqa: F401

@@ -110,3 +110,56 @@ def test_scripts_edit_no_sys_path_and_import_helpers_from_tools():
         text = path.read_text()
         assert "sys.path" not in text, f"{path.name} edits sys.path"
         assert "_bench_common" not in text and "_train_harness" not in text, path.name
+
+
+def _module_imports(path: Path, package_root: Path) -> set[str]:
+    """The seqpar modules ``path`` imports at module level (imports inside functions are lazy and
+    do not make a cycle at import time; neither do ``TYPE_CHECKING`` blocks)."""
+    import ast
+
+    name = ".".join(path.relative_to(package_root.parent).with_suffix("").parts)
+    if name.endswith(".__init__"):
+        name = name[: -len(".__init__")]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.startswith("seqpar"):
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("seqpar"))
+    return out
+
+
+def test_no_import_cycle_in_the_library():
+    root = Path(__file__).resolve().parents[1] / "seqpar"
+    files = {p for p in root.rglob("*.py") if "tools" not in p.relative_to(root).parts}
+    names = {}
+    for p in files:
+        mod = ".".join(p.relative_to(root.parent).with_suffix("").parts)
+        names[mod[: -len(".__init__")] if mod.endswith(".__init__") else mod] = p
+    graph = {m: {d for d in _module_imports(p, root) if d in names and d != m} for m, p in names.items()}
+    # A package's __init__ importing its own submodules is not a cycle through them.
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if m.startswith(d + "."):  # a submodule importing a name from its own package
+                continue
+            if state.get(d) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(path + [m, d])}")
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert {"seqpar.attention", "seqpar.compiled", "seqpar.prepare", "seqpar.parallel.hybrid"} <= set(graph)
+    assert "seqpar.attention" not in graph["seqpar.compiled"]

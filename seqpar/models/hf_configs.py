@@ -1,5 +1,4 @@
 """Moved to seqpar.tools.models.hf_configs; this alias is kept for existing imports."""
 
-from ..tools.models.hf_configs import HF_FAMILIES, causal_lm_class, tiny_hf_config
-
-__all__ = ["HF_FAMILIES", "causal_lm_class", "tiny_hf_config"]
+from ..tools.models.hf_configs import *  # noqa: F403 (the moved module's public names)
+from ..tools.models.hf_configs import __all__  # noqa: F401

@@ -1,5 +1,4 @@
 """Moved to seqpar.tools.models.llama; this alias is kept for existing imports."""
 
-from ..tools.models.llama import tiny_llama_config
-
-__all__ = ["tiny_llama_config"]
+from ..tools.models.llama import *  # noqa: F403 (the moved module's public names)
+from ..tools.models.llama import __all__  # noqa: F401
