@@ -1,0 +1,121 @@
+"""Tiled token-wise work (seqpar.tiled): exact against the untiled computation, and lighter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seqpar.tiled import TiledTokenwise, linear_cross_entropy_sum
+from seqpar.tools.profiling import StorageTracker
+
+
+def _problem(T=37, hidden=16, V=53, dtype=torch.float64, ignore=(3, 10, 36), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, hidden, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, hidden, generator=gen, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, V, (T,), generator=gen)
+    target[list(ignore)] = -100
+    return h, w, target
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 37, 100, None])
+def test_linear_cross_entropy_sum_matches_untiled(chunk_size):
+    h, w, target = _problem()
+    got = linear_cross_entropy_sum(h, w, target, chunk_size=chunk_size)
+    want = F.cross_entropy(h @ w.t(), target, ignore_index=-100, reduction="sum")
+    assert abs(got.item() - want.item()) < 1e-10
+    g = torch.autograd.grad(got * 0.7, (h, w))
+    r = torch.autograd.grad(want * 0.7, (h, w))
+    assert max((a - b).abs().max().item() for a, b in zip(g, r)) < 1e-10
+
+
+def test_linear_cross_entropy_sum_all_ignored_and_float32():
+    h, w, target = _problem(T=6, ignore=range(6))
+    out = linear_cross_entropy_sum(h, w, target, chunk_size=4)
+    assert out.item() == 0.0
+    assert torch.equal(torch.autograd.grad(out, h)[0], torch.zeros_like(h))
+    h, w, target = _problem(dtype=torch.float32)
+    got = linear_cross_entropy_sum(h, w, target, chunk_size=8)
+    want = F.cross_entropy(h.double() @ w.double().t(), target, reduction="sum")
+    assert abs(got.item() - want.item()) < 1e-4 * abs(want.item())
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(chunk_size=0), "chunk_size must be a positive int"),
+    (dict(target=torch.full((37,), 53)), r"label 53 is outside \[0, 53\)"),
+    (dict(target=torch.zeros(36, dtype=torch.long)), r"one per token"),
+    (dict(weight=torch.randn(53, 15, dtype=torch.float64)), "the same hidden_size"),
+])
+def test_linear_cross_entropy_sum_refuses(bad, match):
+    h, w, target = _problem()
+    args = dict(target=target, weight=w, chunk_size=None) | bad
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy_sum(h, args["weight"], args["target"], chunk_size=args["chunk_size"])
+
+
+def test_linear_cross_entropy_sum_holds_no_full_logits():
+    T, V, hidden = 2048, 2000, 16
+    h = torch.randn(T, hidden, requires_grad=True)
+    w = torch.randn(V, hidden, requires_grad=True)
+    target = torch.randint(0, V, (T,))
+    peaks = []
+    for fn in (lambda: F.cross_entropy(h @ w.t(), target, reduction="sum"),
+               lambda: linear_cross_entropy_sum(h, w, target, chunk_size=T // 16)):
+        with StorageTracker() as mem:
+            fn().backward()
+        peaks.append(mem.peak)
+    logits_bytes = T * V * 4
+    assert peaks[0] >= logits_bytes  # the untiled loss holds the [T, V] logits
+    assert peaks[1] < peaks[0] / 8, peaks
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dim=12, hidden=40):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.gate, self.down = nn.Linear(dim, hidden), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("num_chunks, dim, shape", [(1, -2, (2, 9, 12)), (4, -2, (2, 9, 12)), (20, -2, (1, 9, 12)),
+                                                      (3, 0, (11, 2, 12))])
+def test_tiled_tokenwise_matches_untiled(num_chunks, dim, shape):
+    torch.manual_seed(0)
+    mlp = _SwiGLU().double()
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(*shape, dtype=torch.float64)
+    want = mlp(x)
+    ref = torch.autograd.grad(want, (x, *mlp.parameters()), dout)
+    tiled = TiledTokenwise(mlp, num_chunks, dim=dim)
+    got = tiled(x)
+    assert (got - want).abs().max().item() < 1e-12
+    grads = torch.autograd.grad(got, (x, *mlp.parameters()), dout)
+    assert max((a - b).abs().max().item() for a, b in zip(grads, ref)) < 1e-12
+    with torch.no_grad():
+        assert (tiled(x) - want).abs().max().item() < 1e-12
+    assert list(tiled.parameters()) == list(mlp.parameters())
+
+
+def test_tiled_tokenwise_lowers_the_peak():
+    mlp = _SwiGLU(dim=32, hidden=512)
+    x = torch.randn(1, 4096, 32, requires_grad=True)
+    peaks = []
+    for m in (mlp, TiledTokenwise(mlp, 8)):
+        with StorageTracker() as mem:
+            m(x).sum().backward()
+        peaks.append(mem.peak)
+    intermediate = 4096 * 512 * 4  # one [S, hidden] fp32 activation of the untiled MLP
+    assert peaks[0] - peaks[1] > 2 * intermediate, peaks
+
+
+@pytest.mark.parametrize("bad, match", [(dict(module=lambda x: x), "must be a torch.nn.Module"),
+                                        (dict(num_chunks=0), "num_chunks must be a positive int")])
+def test_tiled_tokenwise_refuses(bad, match):
+    args = dict(module=nn.Identity(), num_chunks=2) | bad
+    with pytest.raises(ValueError, match=match):
+        TiledTokenwise(args["module"], args["num_chunks"])
