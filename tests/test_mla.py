@@ -323,6 +323,39 @@ def test_flash_attn_backend_pads_value_head_dim_exactly(monkeypatch):
         flash_attn_module._load.cache_clear()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_backends_value_head_dim(dtype):
+    """The real CUDA kernels with DeepSeek's 192/128 and a wider v, dense and packed, by
+    flash-attn's rule: error at most 2x that of the reference maths in the same dtype."""
+    names = [n for n in ("torch_flash", "torch_efficient", "flash_attn")
+             if n in seqpar.backends.available_backends("cuda", dtype)]
+    if not names:
+        pytest.skip(f"no CUDA kernel backend for {dtype} here")
+    for name in names:
+        backend = seqpar.backends.get_backend(name, "cuda", dtype)
+        for D, Dv in [(192, 128), (64, 96), (40, 24)]:
+            exact = _block_inputs(2, 77, 77, 4, 2, D, Dv, seed=D)
+            for causal in (False, True):
+                want = _block_reference(*exact, causal=causal, scale=D**-0.5)
+                same = _block_reference(*(t.to(dtype) for t in exact), causal=causal, scale=D**-0.5)
+                q, k, v, dout = (t.to("cuda", dtype) for t in exact)
+                out, lse = backend.forward(q, k, v, causal=causal, scale=D**-0.5)
+                grads = backend.backward(dout, q, k, v, out, lse, causal=causal, scale=D**-0.5)
+                for what, g, w, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want, same):
+                    err, base = _rel_err(g.cpu(), w), _rel_err(b.double(), w)
+                    assert g.shape == w.shape and err <= 2 * base + 1e-3, (name, D, Dv, causal, what, err, base)
+            packed = [t[0].to("cuda", dtype) for t in exact]
+            cu = torch.tensor([0, 30, 30, 77], dtype=torch.int32, device="cuda")
+            ref = reference_varlen_attention(*(t[0] for t in exact[:3]), [30, 0, 47], causal=True, scale=D**-0.5)
+            out, _ = backend.varlen_forward(*packed[:3], cu, cu, 47, 47, causal=True, scale=D**-0.5)
+            same = reference_varlen_attention(*(t[0].to(dtype) for t in exact[:3]), [30, 0, 47], causal=True,
+                                              scale=D**-0.5)
+            err, base = _rel_err(out.cpu(), ref), _rel_err(same.double(), ref)
+            assert out.shape == ref.shape and err <= 2 * base + 1e-3, (name, D, Dv, "varlen", err, base)
+
+
 # ---------------------------------------------------------------------------------------------
 # Input checks: the old refusal is gone; k and v must still agree on everything but Dv
 
