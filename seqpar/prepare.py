@@ -321,9 +321,9 @@ def prepare_dense(
             f"{where}: {shapes()}: k must have q's batch size B={B}, local length S={S} and head "
             f"dim D={D} (k has B={Bk}, S={Sk}, D={Dk})"
         )
-    check_value_shape(kb.shape, vb.shape, "(B, S_local, Hkv)", where, context=f"{shapes()}: ")
     if D < 1:
         raise ValueError(f"{where}: {shapes()}: the head dim must be positive, got D={D}")
+    check_value_shape(kb.shape, vb.shape, "(B, S_local, Hkv)", where, context=f"{shapes()}: ")
     check_gqa(H, Hkv, where, context=f"{shapes()}: ")
     check_sinks(sinks, H, q, where)
     if o.prefix + o.suffix > S:
