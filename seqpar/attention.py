@@ -7,7 +7,9 @@ placement of its tokens, Note [Global length]), then runs the one composition of
     this rank's shard [B, S_local, H, D]                      (layout converted by views)
       -> Ulysses all-to-all over state.ulysses_group          [B, S_ring_local, H_u, D]
       -> ring over state.ring_group (seqpar.parallel.ring)    exact over all tokens, any mask
-      -> Ulysses all-to-all back                              [B, S_local, H, D]
+      -> Ulysses all-to-all back                              [B, S_local, H, Dv]
+
+(``Dv``: v's head dim, ``D`` unless the model's values have their own, as in MLA.)
 
 through one autograd function here (eager) or the custom operators of ``seqpar.compiled`` (under
 ``torch.compile``); both call the same ``hybrid_forward`` / ``hybrid_backward``. Packed sequences
@@ -96,7 +98,9 @@ def attention(
         q: ``(batch, seqlen_local, nheads, headdim)`` in ``"bshd"``, ``(seqlen_local, batch,
             nheads, headdim)`` in ``"sbhd"``, ``(batch, nheads, seqlen_local, headdim)`` in
             ``"bhsd"``; any strides.
-        k, v: the same with ``nheads_kv`` heads, ``nheads % nheads_kv == 0`` (GQA/MQA).
+        k: the same with ``nheads_kv`` heads, ``nheads % nheads_kv == 0`` (GQA/MQA).
+        v: like k, with its own head dim ``headdim_v >= 1`` (MLA: DeepSeek-V2/V3, Kimi have
+            ``headdim_v != headdim``); k and v agree on batch, length and heads.
         state: the ``ParallelState`` whose ``ulysses_group`` and ``ring_group`` are used.
         causal: causal attention in global token positions.
         softmax_scale: default ``headdim ** -0.5``.
@@ -115,12 +119,15 @@ def attention(
             rank's shard. The output keeps that layout, the replicated rows identical on every rank.
 
     Returns:
-        This rank's output shard in ``layout``, with q's shape and dtype. With ``ulysses_size >
-        1`` it may be non-contiguous (use ``reshape`` rather than ``view`` to merge heads).
+        This rank's output shard in ``layout``, with q's shape and dtype except for the last dim,
+        v's head dim (``(batch, seqlen_local, nheads, headdim_v)`` in ``"bshd"``). With
+        ``ulysses_size > 1`` it may be non-contiguous (use ``reshape`` rather than ``view`` to
+        merge heads).
 
     Raises:
         ValueError: non-tensor inputs or state; q, k, v of different dtypes or devices, not
-            4-dim, or with mismatched batch/length/head dim; ``H`` not a multiple of ``Hkv``; an
+            4-dim, k with another batch/length/head dim than q, v with another
+            batch/length/head count than k; ``H`` not a multiple of ``Hkv``; an
             unknown layout; a backend that is unknown or cannot run these options; bad option
             values (a window contradicting ``causal``, replicated tokens with a causal, windowed
             or chunked mask, more replicated tokens than local ones); a local length that is not
@@ -186,7 +193,8 @@ def varlen_attention(
 
     Args:
         q: ``(T_local, nheads, headdim)``, this rank's packed tokens (``shard_packed``, dim 0).
-        k, v: ``(T_local, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``.
+        k: ``(T_local, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``.
+        v: ``(T_local, nheads_kv, headdim_v)``, any value head dim ``headdim_v >= 1`` (MLA).
         state: the parallel state.
         seq_lens: global lengths of the packed sequences (non-negative ints, list or tensor),
             summing to the global token count ``T``; the same on every CP rank.
@@ -197,11 +205,12 @@ def varlen_attention(
         sinks: ``(nheads,)`` sink logits.
 
     Returns:
-        ``(T_local, nheads, headdim)`` in q's dtype (with ``U > 1`` non-contiguous). Gradients
+        ``(T_local, nheads, headdim_v)`` in q's dtype (with ``U > 1`` non-contiguous). Gradients
         are partial (the sum over the CP group is the true gradient of replicated tensors).
 
     Raises:
-        ValueError: non-3-dim tensors, mismatched dtypes/devices/head dims, ``nheads`` not a
+        ValueError: non-3-dim tensors, mismatched dtypes/devices, q and k with different
+            head dims, k and v with different token or head counts, ``nheads`` not a
             multiple of ``nheads_kv``, negative or non-int lengths, bad options, and -- raised on
             every CP rank -- ``seq_lens`` that do not place exactly each rank's token count there
             or that differ between ranks, and ranks that disagree on shapes or options.

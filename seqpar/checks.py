@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["check_qkv", "check_gqa", "check_mask_options", "check_scale", "check_sinks"]
+__all__ = ["check_qkv", "check_value_shape", "check_gqa", "check_mask_options", "check_scale", "check_sinks"]
 
 
 def check_qkv(q: object, k: object, v: object, *, ndim: int, shape_doc: str, where: str) -> None:
@@ -36,6 +36,33 @@ def check_qkv(q: object, k: object, v: object, *, ndim: int, shape_doc: str, whe
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"{where}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def check_value_shape(
+    k_shape: tuple[int, ...], v_shape: tuple[int, ...], dims: str, where: str, context: str = ""
+) -> None:
+    """Raise unless v agrees with k on every dim but the last and has a head dim ``Dv >= 1``.
+
+    The value head dim may differ from the query/key head dim (MLA: DeepSeek-V2/V3, Kimi), so
+    only ``k_shape[:-1] == v_shape[:-1]`` is required.
+
+    Args:
+        k_shape, v_shape: ``[..., Hkv, D]`` and ``[..., Hkv, Dv]`` (bshd or packed ``[T, Hkv, .]``).
+        dims: the names of the leading dims for the message, e.g. ``"(B, S_local, Hkv)"``.
+        where, context: prefixed to the message.
+
+    Raises:
+        ValueError: naming both shapes, the dims that must agree and the fix.
+    """
+    k_shape, v_shape = tuple(k_shape), tuple(v_shape)
+    if k_shape[:-1] != v_shape[:-1]:
+        raise ValueError(
+            f"{where}: {context}k and v must agree on {dims} = {k_shape[:-1]}, got v with "
+            f"{v_shape[:-1]}; only the value head dim (the last dim, Dv) may differ from k's (MLA). "
+            "Pass k and v of the same tokens and key/value heads"
+        )
+    if v_shape[-1] < 1:
+        raise ValueError(f"{where}: {context}the value head dim must be positive, got Dv={v_shape[-1]}")
 
 
 def check_gqa(num_heads: int, num_kv_heads: int, where: str, context: str = "") -> None:

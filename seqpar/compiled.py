@@ -15,7 +15,8 @@ disabled") and keeps host-side plans. So while compiling (``torch.compiler.is_co
   ``seqpar.parallel.hybrid.hybrid_forward`` (Note [Hybrid composition]); it returns, next to the
   output, the residuals of its backward: the log-sum-exp of the ring (and of the replicated
   tokens) and the placement it found. Their sizes depend on other ranks, so the fake (meta)
-  implementation gives them data-dependent sizes; the output has the shape of ``q``;
+  implementation gives them data-dependent sizes; the output has the shape of ``q`` with v's
+  head dim ``Dv`` as its last dim (:func:`_out_fake`; ``Dv != D`` for MLA);
 - the backward operator, registered as the forward's autograd formula, rebuilds the call from
   those residuals (``seqpar.prepare.build_call``: no check, no collective) and runs
   ``hybrid_backward``. Eager and compiled calls run the same kernels in the same order.
@@ -63,6 +64,12 @@ def _lse_fake(like: Tensor) -> Tensor:
                           dtype=accumulator_dtype(like.dtype))
 
 
+def _out_fake(q: Tensor, v: Tensor) -> Tensor:
+    """The output of a call on ``q``: q's shape with v's head dim ``Dv`` last (the head dim is
+    the last dim in every layout and in packed ``[T, H, D]`` tensors)."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 def _meta(call: PreparedCall) -> Tensor:
     """The placement a forward found: ``[S, has_free, free lengths (cp_size)]`` (int64, CPU)."""
     cp = call.state.cp_size
@@ -105,7 +112,7 @@ def _(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale
     B, H = to_bshd(q, layout).shape[0], to_bshd(q, layout).shape[2]
     lse_replicated = q.new_empty((B, H, prefix + suffix), dtype=accumulator_dtype(q.dtype))
     meta = torch.empty(2 + state_from_handle(handle).cp_size, dtype=torch.long, device="cpu")
-    return q.new_empty(q.shape), _lse_fake(q), lse_replicated, meta
+    return _out_fake(q, v), _lse_fake(q), lse_replicated, meta
 
 
 @torch.library.custom_op("seqpar::attention_backward", mutates_args=())
@@ -169,7 +176,7 @@ def _varlen_op(
 
 @_varlen_op.register_fake
 def _(q, k, v, sinks, seq_lens, handle, causal, window, chunk_size, softcap, scale, backend):
-    return q.new_empty(q.shape), _lse_fake(q[None])
+    return _out_fake(q, v), _lse_fake(q[None])
 
 
 @torch.library.custom_op("seqpar::varlen_attention_backward", mutates_args=())

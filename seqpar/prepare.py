@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from .backends import KernelBackend, get_backend
-from .checks import check_gqa, check_mask_options, check_qkv, check_scale, check_sinks
+from .checks import check_gqa, check_mask_options, check_qkv, check_scale, check_sinks, check_value_shape
 from .comm import exchange_ints
 from .parallel.hybrid import HybridSetup
 from .parallel.replicated import ReplicatedSetup
@@ -126,7 +126,8 @@ class PreparedCall:
     """A validated call: bshd views of its inputs and everything host-side.
 
     Attributes:
-        qb, kb, vb: ``[B, S_local, H, D]`` / ``[B, S_local, Hkv, D]`` views (packed: ``B = 1``).
+        qb, kb, vb: ``[B, S_local, H, D]`` / ``[B, S_local, Hkv, D]`` / ``[B, S_local, Hkv, Dv]``
+            views (packed: ``B = 1``); ``Dv`` may differ from ``D`` (MLA).
         setup: what :func:`seqpar.parallel.hybrid.hybrid_forward` needs besides tensors.
         seq_lens: the global length(s) of the sharded tokens; free: every CP rank's length when
             the tokens are not placed by the placement rule (position-free attention), else None.
@@ -315,13 +316,14 @@ def prepare_dense(
     def shapes() -> str:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (layout {o.layout!r})"
 
-    if (Bk, Sk) != (B, S) or Dk != D or vb.shape != kb.shape:
+    if (Bk, Sk) != (B, S) or Dk != D:
         raise ValueError(
-            f"{where}: {shapes()}: k and v must have q's batch size B={B}, local length S={S} and "
-            f"head dim D={D}, and the same shape as each other"
+            f"{where}: {shapes()}: k must have q's batch size B={B}, local length S={S} and head "
+            f"dim D={D} (k has B={Bk}, S={Sk}, D={Dk})"
         )
     if D < 1:
         raise ValueError(f"{where}: {shapes()}: the head dim must be positive, got D={D}")
+    check_value_shape(kb.shape, vb.shape, "(B, S_local, Hkv)", where, context=f"{shapes()}: ")
     check_gqa(H, Hkv, where, context=f"{shapes()}: ")
     check_sinks(sinks, H, q, where)
     if o.prefix + o.suffix > S:
@@ -373,11 +375,13 @@ def prepare_varlen(
     causal, window, chunk_size, softcap = check_mask_options(causal, window, chunk_size, softcap, where)
     check_scale(softmax_scale, where)
     check_qkv(q, k, v, ndim=3, shape_doc="[T_local, heads, head_dim] as produced by seqpar.shard_packed", where=where)
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"{where}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, H, D], "
-            "[T, Hkv, D], [T, Hkv, D] with the same T and D"
+            "[T, Hkv, D], [T, Hkv, Dv] with the same T and D (Dv may differ from D)"
         )
+    check_value_shape(k.shape, v.shape, "(T_local, Hkv)", where,
+                      context=f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: ")
     T, H, D = q.shape
     Hkv = k.shape[1]
     check_gqa(H, Hkv, where)

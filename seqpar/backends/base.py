@@ -7,10 +7,15 @@ blocks, and must use them as given.
 
 Layouts (fixed for all backends):
 
-- dense: q ``[B, Sq, H, D]``, k/v ``[B, Sk, Hkv, D]`` ("bshd"), ``H % Hkv == 0``;
-  out ``[B, Sq, H, D]`` in q's dtype, lse ``[B, H, Sq]``.
-- varlen: q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[nseq + 1]``;
-  out ``[Tq, H, D]``, lse ``[H, Tq]``. Sequence ``i`` of q attends only to sequence ``i`` of k.
+- dense: q ``[B, Sq, H, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]`` ("bshd"),
+  ``H % Hkv == 0``; out ``[B, Sq, H, Dv]`` in q's dtype, lse ``[B, H, Sq]``.
+- varlen: q ``[Tq, H, D]``, k ``[Tk, Hkv, D]``, v ``[Tk, Hkv, Dv]``, ``cu_seqlens_*`` int32
+  ``[nseq + 1]``; out ``[Tq, H, Dv]``, lse ``[H, Tq]``. Sequence ``i`` of q attends only to
+  sequence ``i`` of k.
+
+The value head dim ``Dv`` may differ from the query/key head dim ``D`` (MLA: DeepSeek-V2/V3,
+Kimi); the gradients keep their inputs' shapes (``dv`` has ``Dv``). A kernel that needs one head
+dim for q, k and v zero-pads the narrower side (Note [Value head dim]).
 
 lse is float32, or float64 when q is float64 (:func:`lse_dtype`). A
 query row with no key at all gets ``out = 0`` and ``lse = -inf``, whatever the kernel reports.
@@ -34,6 +39,18 @@ Every backend class derives from :class:`KernelBackend`. Its public methods (``f
 check their inputs, answer blocks without queries or keys, fold ``causal`` into the window and
 then call the *kernel methods* (``kernel_forward``, ...), which trust their inputs: seqpar's own
 layers, having validated once at the public entry, call those directly.
+
+Note [Value head dim]
+~~~~~~~~~~~~~~~~~~~~~
+Padding is exact. Zero columns appended to q and k leave every score ``q . k`` unchanged (the
+scale is always passed explicitly, never derived from the padded width); zero columns appended
+to v give output columns that are exactly zero and are dropped; in the backward, zero columns of
+``dout`` and ``out`` leave ``delta = rowsum(dout * out)`` and ``dP = dout . v`` unchanged, so dq,
+dk and dv are exact in their real columns and the padded columns of the gradients are dropped.
+Which side is padded, per backend: ``reference`` none (plain math takes any ``Dv``); ``cpu`` the
+narrower of (q, k) and v to the wider one (PyTorch's CPU flash kernel refuses ``Dv != D``);
+``torch_flash``, ``torch_efficient`` and ``flash_attn`` all three to ``max(D, Dv)`` rounded up to
+a multiple of 8 (:func:`pad_head_dim`), one code path with the equal-dim case.
 """
 
 from __future__ import annotations
@@ -59,6 +76,7 @@ __all__ = [
     "varlen_lengths",
     "lse_for_backward",
     "last_dim_contiguous",
+    "padded_head_dim",
     "pad_head_dim",
     "unpad_head_dim",
     "normalise_lse_",
@@ -104,14 +122,15 @@ class AttentionBackend(Protocol):
 
         Args:
             q: ``(batch, seqlen_q, nheads, headdim)``.
-            k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; ``nheads % nheads_kv == 0``.
+            k: ``(batch, seqlen_k, nheads_kv, headdim)``; ``nheads % nheads_kv == 0``.
+            v: ``(batch, seqlen_k, nheads_kv, headdim_v)``, any ``headdim_v >= 1``.
             causal: bottom-right aligned causal mask (sets the window's right side to 0).
             scale: softmax scale applied to ``q @ k^T``.
             window: ``(left, right)``, ``-1`` unbounded (flash-attn's ``window_size``).
             softcap: ``c > 0`` caps scores to ``c * tanh(s / c)``; 0 disables.
 
         Returns:
-            ``out`` ``(batch, seqlen_q, nheads, headdim)`` in q's dtype and
+            ``out`` ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype and
             ``lse`` ``(batch, nheads, seqlen_q)`` float32 (float64 for float64 q).
         """
         ...
@@ -123,7 +142,7 @@ class AttentionBackend(Protocol):
         """Gradients of one dense block given the (possibly global) ``out`` and ``lse``.
 
         Args:
-            dout, out: ``(batch, seqlen_q, nheads, headdim)``.
+            dout, out: ``(batch, seqlen_q, nheads, headdim_v)``.
             q, k, v, causal, scale, window, softcap: as in :meth:`forward`.
             lse: ``(batch, nheads, seqlen_q)``.
 
@@ -141,12 +160,12 @@ class AttentionBackend(Protocol):
 
         Args:
             q: ``(total_q, nheads, headdim)``.
-            k, v: ``(total_k, nheads_kv, headdim)``.
+            k: ``(total_k, nheads_kv, headdim)``; v: ``(total_k, nheads_kv, headdim_v)``.
             cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1,)``, cumulative lengths from 0.
             max_seqlen_q, max_seqlen_k: the longest sequence on each side.
 
         Returns:
-            ``out`` ``(total_q, nheads, headdim)`` and ``lse`` ``(nheads, total_q)``.
+            ``out`` ``(total_q, nheads, headdim_v)`` and ``lse`` ``(nheads, total_q)``.
         """
         ...
 
@@ -173,10 +192,13 @@ def _check_common(q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1] or v.shape[-1] < 1:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on every dim but the last (v's "
+            "head dim Dv >= 1 may differ from k's)"
+        )
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q has {q.shape[-1]}, k/v have {k.shape[-1]}")
+        raise ValueError(f"head dims differ: q has {q.shape[-1]}, k has {k.shape[-1]}; they must be equal")
     h, hkv = q.shape[-2], k.shape[-2]
     if hkv == 0 or h % hkv != 0:
         raise ValueError(
@@ -241,9 +263,11 @@ def varlen_lengths(
     return lens_q, lens_k
 
 
-def empty_forward(q: Tensor, lse_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` for rows that see no key: zeros like ``q`` and ``-inf`` of ``lse_shape``."""
-    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+def empty_forward(q: Tensor, lse_shape: tuple[int, ...], head_dim_v: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` for rows that see no key: zeros shaped like ``q`` with the last dim
+    ``head_dim_v`` (default: q's), contiguous, and ``-inf`` of ``lse_shape``."""
+    shape = q.shape if head_dim_v is None else (*q.shape[:-1], head_dim_v)
+    out = torch.zeros(shape, dtype=q.dtype, device=q.device)
     lse = torch.full(lse_shape, float("-inf"), device=q.device, dtype=lse_dtype(q.dtype))
     return out, lse
 
@@ -341,7 +365,7 @@ class KernelBackend(AttentionBackend):
         window = kernel_window(causal, window)
         b, sq, h, _ = q.shape
         if sq == 0 or k.shape[1] == 0:
-            return empty_forward(q, (b, h, sq))
+            return empty_forward(q, (b, h, sq), v.shape[-1])
         self._check_features(q, window, softcap)
         return self.kernel_forward(q, k, v, scale=scale, window=window, softcap=softcap)
 
@@ -367,7 +391,7 @@ class KernelBackend(AttentionBackend):
         window = kernel_window(causal, window)
         total_q, h, _ = q.shape
         if total_q == 0 or k.shape[0] == 0:
-            return empty_forward(q, (h, total_q))
+            return empty_forward(q, (h, total_q), v.shape[-1])
         self._check_features(q, window, softcap)
         return self.kernel_varlen_forward(q, k, v, packing, scale=scale, window=window, softcap=softcap)
 
@@ -443,13 +467,23 @@ class KernelBackend(AttentionBackend):
 # read cu_seqlens on the host, so they add no synchronisation.
 
 
-def pad_head_dim(x: Tensor, multiple: int = 8) -> Tensor:
-    """Zero-pad the last dim of ``x`` to a multiple of ``multiple`` (FlashAttention requires 8).
+def padded_head_dim(head_dim: int, head_dim_v: int, multiple: int = 8) -> int:
+    """The one head dim a kernel needing equal q/k/v head dims runs: ``max(head_dim, head_dim_v)``
+    rounded up to a multiple of ``multiple`` (Note [Value head dim])."""
+    width = max(head_dim, head_dim_v)
+    return width + (-width) % multiple
+
+
+def pad_head_dim(x: Tensor, multiple: int = 8, *, width: int = 0) -> Tensor:
+    """Zero-pad the last dim of ``x`` to the smallest multiple of ``multiple`` that is at least
+    ``max(x.shape[-1], width)`` (FlashAttention requires 8; ``width``: a common head dim for q, k
+    and v, :func:`padded_head_dim`). The last dim is made contiguous.
 
     Padding q, k and v with zeros leaves the scores unchanged (the scale is passed explicitly)
-    and gives zero output columns, which :func:`unpad_head_dim` drops.
+    and gives zero output columns, which :func:`unpad_head_dim` drops (Note [Value head dim]).
     """
-    pad = (-x.shape[-1]) % multiple
+    target = max(x.shape[-1], width)
+    pad = target + (-target) % multiple - x.shape[-1]
     x = last_dim_contiguous(x)
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 

@@ -7,6 +7,10 @@ Measured kernel quirks (torch 2.13) handled here:
 
 - an empty sequence dim (``Sq == 0`` or ``Sk == 0``) crashes the process (SIGFPE): never called;
 - a strided head dim (``stride(-1) != 1``) gives silently wrong results: such inputs are copied;
+- q, k and v must share one head dim ("Q/K/V should have the same head size"): with a value head
+  dim ``Dv != D`` (MLA) the narrower side -- v when ``Dv < D``, q and k when ``Dv > D`` -- is
+  zero-padded to the wider one and the results sliced back, which is exact (Note [Value head dim]
+  in ``base.py``) and costs the padded columns' FLOPs;
 - ``is_causal`` is aligned top-left, and a fully masked row yields ``lse = 0``: the kernel gets
   ``is_causal`` only for square causal blocks, other windows get an additive mask, and rows that
   see no key are never given to it (dense) or are reset to ``out = 0, lse = -inf`` (varlen);
@@ -53,10 +57,11 @@ from .base import (
     Packing,
     Window,
     empty_forward,
-    last_dim_contiguous,
     lse_dtype,
     lse_for_backward,
+    pad_head_dim,
     row_key_bounds,
+    unpad_head_dim,
 )
 
 __all__ = ["CpuFlashBackend"]
@@ -70,21 +75,28 @@ _BUCKET_RATIO = 1.25
 _MASK_ELEMENTS = 1 << 22
 
 
+def _kernel_inputs(*xs: Tensor, width: int) -> list[Tensor]:
+    """``[B, S, H, d]`` tensors as the kernel reads them: ``[B, H, S, width]`` views, the head dim
+    contiguous and zero-padded to ``width`` where narrower (Note [Value head dim] in ``base.py``)."""
+    return [pad_head_dim(x, 1, width=width).transpose(1, 2) for x in xs]
+
+
 def _kernel_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """One kernel call on bshd inputs with non-empty sequence dims -> bshd out, [B, H, S] lse."""
+    """One kernel call on bshd inputs with non-empty sequence dims -> bshd out ``[B, Sq, H, Dv]``,
+    ``[B, H, Sq]`` lse. The kernel needs one head dim: with ``Dv != D`` the narrower of (q, k)
+    and v is zero-padded to the wider, and the output sliced back to ``Dv`` (exact)."""
     q, scale = _positive_scale(q, scale)
+    d_v = v.shape[-1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        last_dim_contiguous(q).transpose(1, 2),
-        last_dim_contiguous(k).transpose(1, 2),
-        last_dim_contiguous(v).transpose(1, 2),
+        *_kernel_inputs(q, k, v, width=max(q.shape[-1], d_v)),
         0.0,
         causal,
         attn_mask=mask,
         scale=scale,
     )
-    return out.transpose(1, 2), lse.contiguous()
+    return unpad_head_dim(out, d_v).transpose(1, 2), lse.contiguous()
 
 
 def _kernel_backward(
@@ -98,26 +110,28 @@ def _kernel_backward(
     scale: float,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One backward kernel call on bshd inputs; ``lse`` must come from :func:`lse_for_backward`."""
+    """One backward kernel call on bshd inputs; ``lse`` must come from :func:`lse_for_backward`.
+    Pads as :func:`_kernel_forward` (``dout`` and ``out`` like v) and returns the gradients in
+    their inputs' head dims."""
     given = scale
     q, scale = _positive_scale(q, scale)
+    d, d_v = q.shape[-1], v.shape[-1]
+    padded = _kernel_inputs(dout.to(q.dtype), q, k, v, out.to(q.dtype), width=max(d, d_v))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        last_dim_contiguous(dout.to(q.dtype)).transpose(1, 2),
-        last_dim_contiguous(q).transpose(1, 2),
-        last_dim_contiguous(k).transpose(1, 2),
-        last_dim_contiguous(v).transpose(1, 2),
-        last_dim_contiguous(out.to(q.dtype)).transpose(1, 2),
+        *padded,
         lse,
         0.0,
         causal,
         attn_mask=mask,
         scale=scale,
     )
+    del padded
     if given < 0:
         dq = dq.neg_()
     elif given == 0:
         dq = dq.zero_()
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return (unpad_head_dim(dq, d).transpose(1, 2), unpad_head_dim(dk, d).transpose(1, 2),
+            unpad_head_dim(dv, d_v).transpose(1, 2))
 
 
 def _positive_scale(q: Tensor, scale: float) -> tuple[Tensor, float]:
@@ -325,7 +339,7 @@ class CpuFlashBackend(KernelBackend):
         if window == (-1, -1) or (window == (-1, 0) and sq == sk):
             return _kernel_forward(q, k, v, window == (-1, 0), scale)
         b, _, h, _ = q.shape
-        out, lse = empty_forward(q, (b, h, sq))
+        out, lse = empty_forward(q, (b, h, sq), v.shape[-1])
         for rows, cols, ok in _band_tiles(sq, sk, window):
             o, l = _kernel_forward(
                 q[:, rows], k[:, cols], v[:, cols], False, scale, _additive(ok, q.dtype, q.device)
@@ -364,7 +378,7 @@ class CpuFlashBackend(KernelBackend):
         if plan.covers_all(total_q, k.shape[0]):  # one call, no copy into a packed buffer
             o, l = self.kernel_forward(q[None], k[None], v[None], scale=scale, window=window, softcap=softcap)
             return o[0], l[0]
-        out, lse = empty_forward(q, (h, total_q))
+        out, lse = empty_forward(q, (h, total_q), v.shape[-1])
         for s_q, l_q, s_k, l_k in plan.direct:
             o, l = self.kernel_forward(
                 q[None, s_q:s_q + l_q], k[None, s_k:s_k + l_k], v[None, s_k:s_k + l_k],

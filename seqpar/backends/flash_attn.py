@@ -20,6 +20,10 @@ A parameter without a default that is not known here makes the package count as 
 (``available_backends()`` then omits ``"flash_attn"``) rather than being guessed.
 
 Rows with no keys come back with ``lse = +inf`` (reported as ``-inf``, passed back as ``+inf``).
+A value head dim ``Dv != D`` (MLA): FA2 needs one head dim for q, k and v, so all three are
+zero-padded to ``max(D, Dv)`` rounded up to 8 and the results sliced back, exact (Note [Value
+head dim] in ``base.py``); ``max(D, Dv) <= 256``. FA3 gets the same padding whatever ``(D, Dv)``
+pairs a release supports natively (untested here: no GPU where this was written).
 This module could not be run where it was written (no GPU); ``tests/test_backends.py`` checks it
 against the float64 reference when CUDA and the package are present.
 """
@@ -44,6 +48,7 @@ from .base import (
     normalise_lse_,
     packed_lse_from_padded,
     pad_head_dim,
+    padded_head_dim,
     padded_lse_from_packed,
     unpad_head_dim,
 )
@@ -201,64 +206,66 @@ class FlashAttnBackend(KernelBackend):
         return None
 
     @staticmethod
-    def _api(device: torch.device, head_dim: int) -> _Api:
+    def _api(device: torch.device, head_dim: int, head_dim_v: int) -> tuple[_Api, int]:
+        """The API and the one head dim q, k, v are padded to (Note [Value head dim])."""
         api = _api_for(device)
         if api is None:
             raise ValueError(
                 "backend 'flash_attn' needs the flash-attn package: pip install flash-attn"
             )
-        if head_dim > _MAX_HEAD_DIM:
+        if max(head_dim, head_dim_v) > _MAX_HEAD_DIM:
             raise ValueError(
-                f"backend 'flash_attn' supports head dims up to {_MAX_HEAD_DIM}, got {head_dim}"
+                f"backend 'flash_attn' supports head dims up to {_MAX_HEAD_DIM}, got D={head_dim}, "
+                f"Dv={head_dim_v}; use backend='reference'"
             )
-        return api
+        return api, padded_head_dim(head_dim, head_dim_v)
 
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        d = q.shape[-1]
-        api = self._api(q.device, d)
+        api, w = self._api(q.device, q.shape[-1], v.shape[-1])
         result = api.call(
-            "fwd", q=pad_head_dim(q), k=pad_head_dim(k), v=pad_head_dim(v), dropout_p=0.0,
+            "fwd", q=pad_head_dim(q, width=w), k=pad_head_dim(k, width=w), v=pad_head_dim(v, width=w),
+            dropout_p=0.0,
             softmax_scale=scale, causal=window == (-1, 0), window=window, softcap=softcap,
             alibi_slopes=None,
             return_softmax=False, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None,
         )
         out, lse = _lse_from_forward(result)
-        return unpad_head_dim(out, d), normalise_lse_(lse)
+        return unpad_head_dim(out, v.shape[-1]), normalise_lse_(lse)
 
     def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
         scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = q.shape[-1]
-        api = self._api(q.device, d)
-        q_p, k_p, v_p = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+        api, w = self._api(q.device, d, v.shape[-1])
+        q_p, k_p, v_p = pad_head_dim(q, width=w), pad_head_dim(k, width=w), pad_head_dim(v, width=w)
         dq, dk, dv = torch.empty_like(q_p), torch.empty_like(k_p), torch.empty_like(v_p)
         api.call(
-            "bwd", dout=pad_head_dim(dout.to(q.dtype)).contiguous(), q=q_p, k=k_p, v=v_p,
-            out=pad_head_dim(out.to(q.dtype)).contiguous(),
+            "bwd", dout=pad_head_dim(dout.to(q.dtype), width=w).contiguous(), q=q_p, k=k_p, v=v_p,
+            out=pad_head_dim(out.to(q.dtype), width=w).contiguous(),
             softmax_lse=lse_for_backward(lse, torch.float32), dq=dq, dk=dk, dv=dv,
             dropout_p=0.0, softmax_scale=scale, causal=window == (-1, 0), window=window,
             softcap=softcap, alibi_slopes=None,
             deterministic=False, rng_state=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None,
         )
-        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, v.shape[-1])
 
     def kernel_varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
         softcap: float,
     ) -> tuple[Tensor, Tensor]:
-        total_q, _, d = q.shape
-        api = self._api(q.device, d)
+        total_q = q.shape[0]
+        api, w = self._api(q.device, q.shape[-1], v.shape[-1])
         cu_q = packing.cu_seqlens_q.to(torch.int32).contiguous()
         cu_k = packing.cu_seqlens_k.to(torch.int32).contiguous()
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         result = api.call(
             "fwd" if api.kind == "fa3" else "varlen_fwd",
-            q=pad_head_dim(q), k=pad_head_dim(k), v=pad_head_dim(v),
+            q=pad_head_dim(q, width=w), k=pad_head_dim(k, width=w), v=pad_head_dim(v, width=w),
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
             causal=window == (-1, 0), window=window, softcap=softcap, alibi_slopes=None,
@@ -267,29 +274,29 @@ class FlashAttnBackend(KernelBackend):
         out, lse = _lse_from_forward(result)
         if lse.dim() == 3:  # FA2 < 2.6: [nseq, H, max_seqlen_q]
             lse = packed_lse_from_padded(lse, cu_q, total_q)
-        return unpad_head_dim(out, d), normalise_lse_(lse)
+        return unpad_head_dim(out, v.shape[-1]), normalise_lse_(lse)
 
     def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = q.shape[-1]
-        api = self._api(q.device, d)
+        api, w = self._api(q.device, d, v.shape[-1])
         cu_q = packing.cu_seqlens_q.to(torch.int32).contiguous()
         cu_k = packing.cu_seqlens_k.to(torch.int32).contiguous()
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse = lse_for_backward(lse, torch.float32)
         if not api.packed_varlen_lse:
             lse = padded_lse_from_packed(lse, cu_q, max_seqlen_q)
-        q_p, k_p, v_p = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+        q_p, k_p, v_p = pad_head_dim(q, width=w), pad_head_dim(k, width=w), pad_head_dim(v, width=w)
         dq, dk, dv = torch.empty_like(q_p), torch.empty_like(k_p), torch.empty_like(v_p)
         api.call(
             "bwd" if api.kind == "fa3" else "varlen_bwd",
-            dout=pad_head_dim(dout.to(q.dtype)).contiguous(), q=q_p, k=k_p, v=v_p,
-            out=pad_head_dim(out.to(q.dtype)).contiguous(), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+            dout=pad_head_dim(dout.to(q.dtype), width=w).contiguous(), q=q_p, k=k_p, v=v_p,
+            out=pad_head_dim(out.to(q.dtype), width=w).contiguous(), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
             causal=window == (-1, 0), window=window, softcap=softcap, alibi_slopes=None,
             deterministic=False, rng_state=None,
         )
-        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, v.shape[-1])

@@ -7,8 +7,9 @@ accuracy rule. They take every mask and score option seqpar has (Note [Masks] in
 ``seqpar.placement.masks``): causal, window, chunk_size, softcap and sinks.
 
 ``ReferenceBackend`` implements the backend protocol with explicit forward/backward formulas in the
-accumulator dtype (fp32, or fp64 for fp64 inputs), on any device and dtype, with windows and
-softcap. It processes query rows in tiles so that the score matrix it materialises stays below
+accumulator dtype (fp32, or fp64 for fp64 inputs), on any device and dtype, with windows,
+softcap and any value head dim ``Dv`` (no padding; Note [Value head dim] in ``base.py``). It
+processes query rows in tiles so that the score matrix it materialises stays below
 about ``_TILE_ELEMENTS`` elements: it is the exact fallback for options a flash kernel lacks
 (softcap on the CPU kernel, say), not a fast path.
 """
@@ -59,7 +60,9 @@ def reference_attention(
 
     Args:
         q: ``(batch, seqlen_q, nheads, headdim)``.
-        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; kv heads are repeated for GQA/MQA.
+        k: ``(batch, seqlen_k, nheads_kv, headdim)``; kv heads are repeated for GQA/MQA.
+        v: ``(batch, seqlen_k, nheads_kv, headdim_v)``; ``headdim_v`` may differ from
+            ``headdim`` (MLA).
         causal, window, chunk_size: the mask (Note [Masks]).
         scale: softmax scale, default ``headdim ** -0.5``.
         softcap: scores become ``softcap * tanh(scores / softcap)`` when ``> 0``.
@@ -67,7 +70,7 @@ def reference_attention(
         return_lse: also return the log-sum-exp (sinks included).
 
     Returns:
-        ``out`` ``(batch, seqlen_q, nheads, headdim)``; with ``return_lse`` also
+        ``out`` ``(batch, seqlen_q, nheads, headdim_v)``; with ``return_lse`` also
         ``lse`` ``(batch, nheads, seqlen_q)`` in the accumulator dtype (``-inf`` for rows that
         see no key and no sink; their output is 0).
     """
@@ -113,7 +116,7 @@ def reference_varlen_attention(
 
     Args:
         q: ``(total_q, nheads, headdim)`` with ``total_q == sum(seq_lens)``.
-        k, v: ``(total_k, nheads_kv, headdim)``.
+        k: ``(total_k, nheads_kv, headdim)``; v: ``(total_k, nheads_kv, headdim_v)``.
         seq_lens: query length of each sequence (zeros allowed).
         seq_lens_k: key lengths per sequence when they differ from ``seq_lens``.
         return_lse: also return the log-sum-exp.
@@ -121,7 +124,7 @@ def reference_varlen_attention(
             :func:`reference_attention`, per sequence (positions restart in every sequence).
 
     Returns:
-        ``out`` ``(total_q, nheads, headdim)``; with ``return_lse`` also ``lse``
+        ``out`` ``(total_q, nheads, headdim_v)``; with ``return_lse`` also ``lse``
         ``(nheads, total_q)``.
 
     Raises:
@@ -143,7 +146,8 @@ def reference_varlen_attention(
     if outs:
         out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     else:
-        out, lse = q.new_zeros(q.shape), q.new_zeros((q.shape[1], 0), dtype=lse_dtype(q.dtype))
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_zeros((q.shape[1], 0), dtype=lse_dtype(q.dtype))
     return (out, lse) if return_lse else out
 
 
@@ -198,7 +202,7 @@ class ReferenceBackend(KernelBackend):
         """Explicit formulas in the accumulator dtype, tile by tile of query rows."""
         acc = lse_dtype(q.dtype)
         b, sq, heads, _ = q.shape
-        out, lse = empty_forward(q, (b, heads, sq))
+        out, lse = empty_forward(q, (b, heads, sq), v.shape[-1])
         kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
         for rows, cols, allowed in self._tiles(q, k, window):
             scores, _ = self._scores(q[:, rows].to(acc), kf[:, cols], scale, softcap)
@@ -217,7 +221,7 @@ class ReferenceBackend(KernelBackend):
         """Explicit formulas in the accumulator dtype, reading the given ``out`` and ``lse``."""
         acc = lse_dtype(q.dtype)
         b, sk, hkv, d = k.shape
-        heads = q.shape[2]
+        heads, dv_dim = q.shape[2], v.shape[-1]
         kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(kf.shape, dtype=acc, device=q.device)
@@ -240,7 +244,7 @@ class ReferenceBackend(KernelBackend):
             dk[:, cols] += torch.einsum("bhqk,bqhd->bkhd", dscores, qf) * scale
         group = heads // hkv
         dk = dk.view(b, sk, hkv, group, d).sum(3)
-        dv = dv.view(b, sk, hkv, group, d).sum(3)
+        dv = dv.view(b, sk, hkv, group, dv_dim).sum(3)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def kernel_varlen_forward(
@@ -249,7 +253,7 @@ class ReferenceBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor]:
         """One dense call per sequence."""
         lens_q, lens_k = packing.host_lens()
-        out, lse = empty_forward(q, (q.shape[1], q.shape[0]))
+        out, lse = empty_forward(q, (q.shape[1], q.shape[0]), v.shape[-1])
         starts_q = [0, *itertools.accumulate(lens_q)]
         starts_k = [0, *itertools.accumulate(lens_k)]
         for lq, lk, sq, sk in zip(lens_q, lens_k, starts_q, starts_k):

@@ -5,7 +5,10 @@
 on the op schema). Dense inputs are bshd 4-D with
 ``cum_seq_q = cum_seq_k = None`` (lse ``[B, H, Sq]``); varlen inputs are ``[T, H, D]`` 3-D with
 int32 ``cum_seq_*`` (lse ``[H, T]``; ROCm builds may return ``[nseq, H, max_q]``, converted here).
-GQA is native. fp16/bf16 only, head dim <= 256 (padded here to a multiple of 8). Rows with no keys
+GQA is native. fp16/bf16 only, head dim <= 256 (padded here to a multiple of 8). FlashAttention-2
+needs one head dim for q, k and v: a value head dim ``Dv != D`` (MLA) runs with all three
+zero-padded to ``max(D, Dv)`` (rounded up to 8) and the results sliced back, exact (Note [Value
+head dim] in ``base.py``); ``max(D, Dv) <= 256``. Rows with no keys
 come back with ``lse = +inf``; they are reported as ``-inf`` and passed back as ``+inf``.
 Without dropout the RNG arguments of the backward are unused: a zero ``(2,)`` uint64 state and an
 empty tensor are passed, as ``torch.nn.attention.varlen`` does.
@@ -19,7 +22,11 @@ memory-efficient kernel), which also runs fp32. Its quirks, from the PyTorch sou
 - lse is ``[B or nseq, H, ceil(S / 32) * 32]`` padded; the backward reads the padding, which must
   be ``+inf``;
 - ``custom_mask_type``: 0 none, 1 causal aligned top-left, 2 causal aligned bottom-right (used
-  for causal blocks); other windows are not offered (``"auto"`` then picks ``reference``).
+  for causal blocks); other windows are not offered (``"auto"`` then picks ``reference``);
+- a value head dim ``Dv != D`` (MLA): the kernel itself accepts one (its output has ``Dv``), but
+  that path could not be tested here, so q, k and v are zero-padded to one head dim exactly as for
+  ``torch_flash`` (exact; it costs the padded columns' FLOPs). Using the native path is an
+  optimisation to make once it is checked on a GPU.
 
 Neither kernel has a softcap: ``"auto"`` picks ``flash_attn`` (when installed) or ``reference``.
 
@@ -40,6 +47,7 @@ from .base import (
     normalise_lse_,
     packed_lse_from_padded,
     pad_head_dim,
+    padded_head_dim,
     padded_lse_from_packed,
     tokens_of_empty_partner,
     unpad_head_dim,
@@ -57,6 +65,13 @@ def _check_head_dim(head_dim: int, backend: str) -> None:
             f"backend {backend!r} supports head dims up to {_MAX_HEAD_DIM}, got {head_dim}; "
             f"use backend='reference'"
         )
+
+
+def _flash_width(q: Tensor, v: Tensor, backend: str) -> int:
+    """The one head dim q, k and v are padded to (Note [Value head dim]), after checking that
+    FlashAttention-2 takes ``max(D, Dv)``."""
+    _check_head_dim(max(q.shape[-1], v.shape[-1]), backend)
+    return padded_head_dim(q.shape[-1], v.shape[-1])
 
 
 def _cu(cu_seqlens: Tensor) -> Tensor:
@@ -101,63 +116,63 @@ class TorchFlashBackend(KernelBackend):
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        _check_head_dim(d, self.name)
+        sq, sk = q.shape[1], k.shape[1]
+        w = _flash_width(q, v, self.name)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
+            pad_head_dim(q, width=w), pad_head_dim(k, width=w), pad_head_dim(v, width=w),
             None, None, sq, sk, 0.0, window == (-1, 0), False, scale=scale, **_window_kwargs(window),
         )
-        return unpad_head_dim(out, d), normalise_lse_(lse)
+        return unpad_head_dim(out, v.shape[-1]), normalise_lse_(lse)
 
     def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
         scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
-        _check_head_dim(d, self.name)
+        w = _flash_width(q, v, self.name)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
-            pad_head_dim(out.to(q.dtype)), lse_for_backward(lse, torch.float32),
+            pad_head_dim(dout.to(q.dtype), width=w), pad_head_dim(q, width=w), pad_head_dim(k, width=w),
+            pad_head_dim(v, width=w), pad_head_dim(out.to(q.dtype), width=w), lse_for_backward(lse, torch.float32),
             None, None, sq, sk, 0.0, window == (-1, 0),
             *_unused_rng(q.device), scale=scale, **_window_kwargs(window),
         )
-        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, v.shape[-1])
 
     def kernel_varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
         softcap: float,
     ) -> tuple[Tensor, Tensor]:
-        total_q, _, d = q.shape
-        _check_head_dim(d, self.name)
+        total_q = q.shape[0]
+        w = _flash_width(q, v, self.name)
         cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
+            pad_head_dim(q, width=w), pad_head_dim(k, width=w), pad_head_dim(v, width=w),
             cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, window == (-1, 0), False, scale=scale,
             **_window_kwargs(window),
         )
         if lse.dim() == 3:  # ROCm: per-sequence padded layout
             lse = packed_lse_from_padded(lse, cu_q, total_q)
-        return unpad_head_dim(out, d), normalise_lse_(lse)
+        return unpad_head_dim(out, v.shape[-1]), normalise_lse_(lse)
 
     def kernel_varlen_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         d = q.shape[-1]
-        _check_head_dim(d, self.name)
+        w = _flash_width(q, v, self.name)
         cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse = lse_for_backward(lse, torch.float32)
         if torch.version.hip:  # ROCm kernels read the per-sequence padded layout
             lse = padded_lse_from_packed(lse, cu_q, max_seqlen_q)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            pad_head_dim(dout.to(q.dtype)), pad_head_dim(q), pad_head_dim(k), pad_head_dim(v),
-            pad_head_dim(out.to(q.dtype)), lse,
+            pad_head_dim(dout.to(q.dtype), width=w), pad_head_dim(q, width=w), pad_head_dim(k, width=w),
+            pad_head_dim(v, width=w), pad_head_dim(out.to(q.dtype), width=w), lse,
             cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, window == (-1, 0), *_unused_rng(q.device),
             scale=scale, **_window_kwargs(window),
         )
-        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, d)
+        return unpad_head_dim(dq, d), unpad_head_dim(dk, d), unpad_head_dim(dv, v.shape[-1])
 
 
 def _window_kwargs(window: Window) -> dict[str, int]:
@@ -173,13 +188,13 @@ def _unused_rng(device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _repeat_kv(x: Tensor, heads: int) -> Tensor:
-    """``[..., Hkv, D] -> [..., heads, D]`` (the efficient kernel has no native GQA)."""
+    """``[..., Hkv, d] -> [..., heads, d]`` (the efficient kernel has no native GQA)."""
     group = heads // x.shape[-2]
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
 
 
 def _sum_kv_groups(grad: Tensor, kv_heads: int) -> Tensor:
-    """``[..., H, D] -> [..., Hkv, D]``: sum the gradients of repeated kv heads."""
+    """``[..., H, d] -> [..., Hkv, d]``: sum the gradients of repeated kv heads."""
     *lead, heads, d = grad.shape
     if heads == kv_heads:
         return grad
@@ -226,12 +241,14 @@ class TorchEfficientBackend(KernelBackend):
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        _, sq, h, d = q.shape
+        _, sq, h, _ = q.shape
+        w = padded_head_dim(q.shape[-1], v.shape[-1])
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
-            pad_head_dim(q), pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)),
+            pad_head_dim(q, width=w), pad_head_dim(_repeat_kv(k, h), width=w),
+            pad_head_dim(_repeat_kv(v, h), width=w),
             None, None, None, None, None, 0.0, _mask_type(window), True, scale=scale,
         )
-        return unpad_head_dim(out, d), normalise_lse_(lse[..., :sq].contiguous())
+        return unpad_head_dim(out, v.shape[-1]), normalise_lse_(lse[..., :sq].contiguous())
 
     def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -239,31 +256,33 @@ class TorchEfficientBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor, Tensor]:
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
+        w = padded_head_dim(d, v.shape[-1])
         lse_padded = torch.full((b, h, _aligned(sq)), float("inf"), device=q.device)
         lse_padded[..., :sq] = lse_for_backward(lse, torch.float32)
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            pad_head_dim(dout.to(q.dtype)).contiguous(), pad_head_dim(q),
-            pad_head_dim(_repeat_kv(k, h)), pad_head_dim(_repeat_kv(v, h)), None,
-            pad_head_dim(out.to(q.dtype)).contiguous(), None, None, sq, sk, lse_padded, 0.0,
+            pad_head_dim(dout.to(q.dtype), width=w).contiguous(), pad_head_dim(q, width=w),
+            pad_head_dim(_repeat_kv(k, h), width=w), pad_head_dim(_repeat_kv(v, h), width=w), None,
+            pad_head_dim(out.to(q.dtype), width=w).contiguous(), None, None, sq, sk, lse_padded, 0.0,
             *_philox_unused(), _mask_type(window), False, scale=scale,
         )
         dk = _sum_kv_groups(unpad_head_dim(dk, d), hkv)
-        dv = _sum_kv_groups(unpad_head_dim(dv, d), hkv)
+        dv = _sum_kv_groups(unpad_head_dim(dv, v.shape[-1]), hkv)
         return unpad_head_dim(dq, d), dk.to(k.dtype), dv.to(v.dtype)
 
     def kernel_varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, packing: Packing, *, scale: float, window: Window,
         softcap: float,
     ) -> tuple[Tensor, Tensor]:
-        total_q, h, d = q.shape
+        total_q, h, _ = q.shape
+        w = padded_head_dim(q.shape[-1], v.shape[-1])
         cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
-            pad_head_dim(q)[None], pad_head_dim(_repeat_kv(k, h))[None],
-            pad_head_dim(_repeat_kv(v, h))[None], None, cu_q, cu_k,
+            pad_head_dim(q, width=w)[None], pad_head_dim(_repeat_kv(k, h), width=w)[None],
+            pad_head_dim(_repeat_kv(v, h), width=w)[None], None, cu_q, cu_k,
             max_seqlen_q, max_seqlen_k, 0.0, _mask_type(window), True, scale=scale,
         )
-        out = unpad_head_dim(out[0], d)
+        out = unpad_head_dim(out[0], v.shape[-1])
         lse = normalise_lse_(packed_lse_from_padded(lse, cu_q, total_q))
         # Rows of sequences without keys: the kernel's output there is not specified.
         no_keys = tokens_of_empty_partner(cu_q, cu_k, total_q)
@@ -277,21 +296,22 @@ class TorchEfficientBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor, Tensor]:
         total_q, h, d = q.shape
         total_k, hkv = k.shape[0], k.shape[1]
+        w = padded_head_dim(d, v.shape[-1])
         cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse_padded = padded_lse_from_packed(
             lse_for_backward(lse, torch.float32), cu_q, _aligned(max_seqlen_q)
         )
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            pad_head_dim(dout.to(q.dtype)).contiguous()[None], pad_head_dim(q)[None],
-            pad_head_dim(_repeat_kv(k, h))[None], pad_head_dim(_repeat_kv(v, h))[None], None,
-            pad_head_dim(out.to(q.dtype)).contiguous()[None], cu_q, cu_k,
+            pad_head_dim(dout.to(q.dtype), width=w).contiguous()[None], pad_head_dim(q, width=w)[None],
+            pad_head_dim(_repeat_kv(k, h), width=w)[None], pad_head_dim(_repeat_kv(v, h), width=w)[None], None,
+            pad_head_dim(out.to(q.dtype), width=w).contiguous()[None], cu_q, cu_k,
             max_seqlen_q, max_seqlen_k, lse_padded, 0.0, *_philox_unused(), _mask_type(window), False,
             scale=scale,
         )
         dq = unpad_head_dim(dq[0], d)
         dk = _sum_kv_groups(unpad_head_dim(dk[0], d), hkv).to(k.dtype)
-        dv = _sum_kv_groups(unpad_head_dim(dv[0], d), hkv).to(v.dtype)
+        dv = _sum_kv_groups(unpad_head_dim(dv[0], v.shape[-1]), hkv).to(v.dtype)
         # Sequences empty on one side: make their gradients exactly zero whatever the kernel did.
         dq.masked_fill_(tokens_of_empty_partner(cu_q, cu_k, total_q)[:, None, None], 0.0)
         no_queries = tokens_of_empty_partner(cu_k, cu_q, total_k)[:, None, None]

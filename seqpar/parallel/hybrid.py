@@ -10,12 +10,14 @@ here reaches both paths::
     this rank's shard [B, S_local, H, D]             (replicated rows split off first, if any)
       -> Ulysses all-to-all over the Ulysses group    [B, S_ring_local, H_u, D]    (U > 1)
       -> the ring plan over the ring group            kernels per block, fp32 LSE merge
-      -> Ulysses all-to-all back                      [B, S_local, H, D]           (U > 1)
+      -> Ulysses all-to-all back                      [B, S_local, H, Dv]          (U > 1)
     replicated rows (joint text tokens): attend the replicated keys and every rank's shard,
     merged over the CP group (Note [Replicated tokens]); the shard's rows see the replicated
     keys as local extra keys of the ring.
 
-Packed sequences are the same composition on a batch of one. What each piece needs besides its
+v and the output may have their own head dim ``Dv`` (MLA); every piece carries q and k with
+``D`` and v, out and their gradients with ``Dv``. Packed sequences are the same composition on a
+batch of one. What each piece needs besides its
 tensors is a *setup* (:class:`~seqpar.parallel.ring.RingSetup`,
 :class:`~seqpar.parallel.ulysses.UlyssesSetup`,
 :class:`~seqpar.parallel.replicated.ReplicatedSetup`), built once per call by
@@ -83,11 +85,11 @@ def hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: T
     Args:
         q: ``(batch, S_local, nheads, headdim)``: ``prefix`` replicated rows, the shard's rows,
             ``suffix`` replicated rows (packed: batch 1).
-        k, v: ``(batch, S_local, nheads_kv, headdim)``, the same rows.
+        k, v: ``(batch, S_local, nheads_kv, headdim)`` / ``(..., headdim_v)``, the same rows.
         sinks: ``(nheads,)`` sink logits or None.
 
     Returns:
-        ``(out, lse_body, lse_replicated)``: ``out`` ``(batch, S_local, nheads, headdim)`` in q's
+        ``(out, lse_body, lse_replicated)``: ``out`` ``(batch, S_local, nheads, headdim_v)`` in q's
         dtype; ``lse_body`` the shard's log-sum-exp (``(batch, H_mine, S_ring_local)`` under
         Ulysses, ``(batch, nheads, S_local)`` without), ``lse_replicated`` ``(batch, nheads,
         prefix + suffix)``, both in the accumulator dtype; the three are what

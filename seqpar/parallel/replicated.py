@@ -12,13 +12,13 @@ every CP rank and the image tokens are sharded. Attention is non-causal, so:
   rank. Each rank computes the text queries against its own image shard only (all heads, before
   any all-to-all: work is split evenly) and the partial results are merged across the CP group by
   their LSE: one all-reduce (max) of the ``[B, H, P]`` LSE and one all-reduce (sum) of the
-  weighted ``[B, P, H, D]`` outputs. The text-text block, identical everywhere, is merged after.
+  weighted ``[B, P, H, Dv]`` outputs. The text-text block, identical everywhere, is merged after.
 
 Gradients follow the partial rule: the incoming text-output gradient on each rank is that rank's
 share. The text-text block's backward uses it as is (its gradients are shares too, summing to the
 true ones over the group); the image block's backward needs the *whole* gradient, because the
 image keys it differentiates live on this rank only, so the shares are summed over the group (one
-all-reduce of ``[B, P, H, D]``). Its dq is then this rank's keys' part of the text queries'
+all-reduce of ``[B, P, H, Dv]``). Its dq is then this rank's keys' part of the text queries'
 gradient, again a share.
 """
 
@@ -47,8 +47,9 @@ class ReplicatedSetup:
 
 
 def _block(run: ReplicatedSetup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out [B, P, H, Dv], lse [B, H, P])`` of one block (empty sides: zeros and ``-inf``)."""
     if q.shape[1] == 0 or k.shape[1] == 0:
-        return empty_forward(q, (q.shape[0], q.shape[2], q.shape[1]))
+        return empty_forward(q, (q.shape[0], q.shape[2], q.shape[1]), v.shape[-1])
     return run.backend.kernel_forward(q, k, v, scale=run.scale, window=(-1, -1), softcap=run.softcap)
 
 
@@ -61,7 +62,7 @@ def _block_backward(run: ReplicatedSetup, dout, q, k, v, out, lse) -> tuple[Tens
 
 
 def _merge_over_group(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, Tensor]:
-    """LSE-merge ``(out [B, P, H, D], lse [B, H, P])`` of every rank of ``group``."""
+    """LSE-merge ``(out [B, P, H, Dv], lse [B, H, P])`` of every rank of ``group``."""
     acc = accumulator_dtype(out.dtype)
     lse = lse.to(acc)
     top = reduce_(lse.clone(), group, "max")
@@ -83,12 +84,14 @@ def replicated_forward(
 
     Args:
         q: ``(batch, P, nheads, headdim)``, the same on every rank.
-        k_rep, v_rep: ``(batch, P_k, nheads_kv, headdim)``, the same on every rank.
-        k_loc, v_loc: ``(batch, S_local, nheads_kv, headdim)``, this rank's shard of the others.
+        k_rep, v_rep: ``(batch, P_k, nheads_kv, headdim)`` / ``(..., headdim_v)``, the same on
+            every rank.
+        k_loc, v_loc: ``(batch, S_local, nheads_kv, headdim)`` / ``(..., headdim_v)``, this
+            rank's shard of the others.
         sinks: ``(nheads,)`` sink logits or None.
 
     Returns:
-        ``out`` ``(batch, P, nheads, headdim)`` in q's dtype, the same on every rank, and ``lse``
+        ``out`` ``(batch, P, nheads, headdim_v)`` in q's dtype, the same on every rank, and ``lse``
         ``(batch, nheads, P)`` in the accumulator dtype.
     """
     out_t, lse_t = _block(run, q, k_rep, v_rep)  # the same on every rank

@@ -210,16 +210,19 @@ def ring_forward(
 
     Args:
         q: ``[B, L, H, D]`` this ring rank's queries (packed: ``B = 1``).
-        k, v: ``[B, L, Hkv, D]`` its keys and values.
+        k, v: ``[B, L, Hkv, D]`` / ``[B, L, Hkv, Dv]`` its keys and values (``Dv`` may differ
+            from ``D``; K and V rows travel in separate buffers of their own widths).
         sinks: ``[H]`` sink logits or None.
-        extra_k, extra_v: ``[B, P, Hkv, D]`` local keys every query attends (or None).
+        extra_k, extra_v: ``[B, P, Hkv, D]`` / ``[B, P, Hkv, Dv]`` local keys every query
+            attends (or None).
 
     Returns:
-        ``out`` ``[B, L, H, D]`` in q's dtype and ``lse`` ``[B, H, L]`` in the accumulator dtype.
+        ``out`` ``[B, L, H, Dv]`` in q's dtype and ``lse`` ``[B, H, L]`` in the accumulator dtype.
     """
     steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
     B, L, H, _ = q.shape
+    out_shape = (B, L, H, v.shape[-1])
     if _single_block(run, q, k, extra_k):  # one process, or one Ulysses-inner step: the kernel alone
         call = steps[0].calls[0]
         out, lse = run.backend.kernel_forward(q, k, v, scale=run.scale, window=call.window, softcap=run.softcap)
@@ -236,7 +239,7 @@ def ring_forward(
             if rows is None or (rows.start == 0 and rows.stop == L):  # the first result covers all
                 out_acc, lse_acc = out.to(acc), lse.to(acc)
                 return
-            out_acc, lse_acc = new_accumulators(q.shape, device=q.device, dtype=q.dtype)
+            out_acc, lse_acc = new_accumulators(out_shape, device=q.device, dtype=q.dtype)
         if rows is None:
             merge_(out_acc, lse_acc, out, lse)
         else:
@@ -259,7 +262,7 @@ def ring_forward(
             _record(run, "wait", i + 1)
             k_cur, v_cur = k_next, v_next
     if out_acc is None:
-        out_acc, lse_acc = new_accumulators(q.shape, device=q.device, dtype=q.dtype)
+        out_acc, lse_acc = new_accumulators(out_shape, device=q.device, dtype=q.dtype)
     if sinks is not None:
         out_acc, lse_acc = add_sinks(out_acc, lse_acc, sinks)
     return out_acc.to(q.dtype), lse_acc

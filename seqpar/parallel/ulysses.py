@@ -80,11 +80,25 @@ class UlyssesSetup:
         return list(zip(offsets(self.token_sizes)[:-1], self.token_sizes))
 
     def to_heads(self, xs: list[Tensor], kinds: str, role: str) -> list[Tensor]:
-        """Token shards with all heads -> all tokens of this rank's heads (workspace buffers)."""
+        """Token shards with all heads -> all tokens of this rank's heads (workspace buffers).
+
+        ``xs[t]`` is ``[B, S_local, heads, d_t]`` with the query (``kinds[t] == "q"``) or K/V
+        heads (``"k"``); returns ``[B, S_ring_local, heads_mine, d_t]`` each. The head dims
+        ``d_t`` may differ (v and out with ``Dv != D``: MLA); the exchange then runs over the
+        flattened ``(heads, head_dim)`` axis (:func:`_flat_heads`), one collective as before.
+        """
         ranges = [self.head_ranges(kind) for kind in kinds]
-        return fused_all_to_all(
-            xs, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace, out_role=role
+        dims = [x.shape[-1] for x in xs]
+        if len(set(dims)) == 1:
+            return fused_all_to_all(
+                xs, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace, out_role=role
+            )
+        flat = _flat_heads(xs)  # copies only of shards whose (heads, head_dim) are not one axis
+        outs = fused_all_to_all(
+            flat, self.group, 2, 1, _flat_ranges(ranges, dims), self.token_sizes, workspace=self.workspace,
+            out_role=role, release_inputs=True,
         )
+        return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
 
     def to_tokens(self, xs: list[Tensor], num_heads: int) -> Tensor:
         """All tokens of this rank's heads -> the token shard with all heads (a fresh tensor).
@@ -96,14 +110,37 @@ class UlyssesSetup:
                                 workspace=self.workspace, release_inputs=True)[0]
 
     def grads_to_tokens(self, grads: list[Tensor], shapes: list[torch.Size], kinds: str) -> list[Tensor]:
-        """Backward of :meth:`to_heads`: gradients of the token shards (K/V heads sent to several
-        ranks get the sum). ``grads`` is emptied once staged."""
+        """Backward of :meth:`to_heads`: gradients of the token shards ``shapes`` (K/V heads sent
+        to several ranks get the sum), head dims as in :meth:`to_heads`. ``grads`` is emptied
+        once staged."""
         ranges = [self.head_ranges(kind) for kind in kinds]
-        # The head-sharded inputs are dead by now: their buffer receives the gradients.
-        return fused_all_to_all_backward(
-            grads, shapes, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace,
-            release_inputs=True, recv_role="ulysses.heads",
+        dims = [shape[-1] for shape in shapes]
+        if len(set(dims)) == 1:
+            # The head-sharded inputs are dead by now: their buffer receives the gradients.
+            return fused_all_to_all_backward(
+                grads, shapes, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace,
+                release_inputs=True, recv_role="ulysses.heads",
+            )
+        flat = _flat_heads(grads)
+        grads.clear()
+        flat_shapes = [torch.Size((*shape[:2], shape[2] * shape[3])) for shape in shapes]
+        outs = fused_all_to_all_backward(
+            flat, flat_shapes, self.group, 2, 1, _flat_ranges(ranges, dims), self.token_sizes,
+            workspace=self.workspace, release_inputs=True, recv_role="ulysses.heads",
         )
+        return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
+
+
+def _flat_heads(xs: list[Tensor]) -> list[Tensor]:
+    """``[B, S, heads, d] -> [B, S, heads * d]`` each: views where the two dims are one axis
+    (bshd, sbhd), else copies (bhsd), which the exchange frees once staged."""
+    return [x.flatten(2) for x in xs]
+
+
+def _flat_ranges(ranges: list[list[tuple[int, int]]], dims: list[int]) -> list[list[tuple[int, int]]]:
+    """Head ranges ``(start, count)`` per tensor and rank as ranges of the flattened
+    ``(heads, head_dim)`` axis of head dim ``dims[t]``."""
+    return [[(start * d, count * d) for start, count in r] for r, d in zip(ranges, dims)]
 
 
 def _expand(heads: HeadAssignment, x: Tensor) -> Tensor:
@@ -243,13 +280,13 @@ def ulysses_ring_forward(
 
     Args:
         q: ``(batch, seqlen_local, nheads, headdim)``, this rank's token shard.
-        k, v: ``(batch, seqlen_local, nheads_kv, headdim)``.
-        sinks: ``(nheads,)`` or None; extra_k, extra_v: ``(batch, P, nheads_kv, headdim)``
-            replicated keys every query also attends, or None.
+        k, v: ``(batch, seqlen_local, nheads_kv, headdim)`` / ``(..., headdim_v)``.
+        sinks: ``(nheads,)`` or None; extra_k, extra_v: ``(batch, P, nheads_kv, headdim)`` /
+            ``(..., headdim_v)`` replicated keys every query also attends, or None.
         spec: the Ulysses group and layout; run: the ring over this rank's heads.
 
     Returns:
-        ``out`` ``(batch, seqlen_local, nheads, headdim)``, the token shard, and ``lse_u``
+        ``out`` ``(batch, seqlen_local, nheads, headdim_v)``, the token shard, and ``lse_u``
         ``(batch, H_mine, L)`` over this rank's heads and the ring-local tokens.
     """
     mine = spec.mine
@@ -262,7 +299,7 @@ def ulysses_ring_forward(
             None if extra_v is None else mine.kv_heads(extra_v, 2), run,
         )
     else:  # no head here: nothing to attend, but the all-to-alls still need this rank
-        out_u = q_u.new_zeros(q_u.shape)
+        out_u = q_u.new_zeros((*q_u.shape[:3], v_u.shape[-1]))
         lse_u = q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]), dtype=accumulator_dtype(q.dtype))
     del q_u, k_u, v_u
     staged = [out_u]
