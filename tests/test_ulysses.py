@@ -5,8 +5,7 @@ the fused exchange of ``UlyssesSetup`` around the ring's kernels, the eager auto
 ``seqpar.attention``) and through the ``ulysses_attention`` building block around plain float64
 math (which shows the shapes the inner attention receives). Both against single-device float64:
 uneven heads, GQA with Hkv < U, groups straddling ranks, the non-uniform local mapping that needs
-a local K/V expansion, ranks with no head, and (building block only) a v head dim that differs
-from q's.
+a local K/V expansion, ranks with no head, and a v head dim that differs from q's (MLA).
 """
 
 from __future__ import annotations
@@ -155,8 +154,7 @@ def _rank_ulysses(cases: list[dict]) -> list[tuple[str, float, list[tuple]]]:
             g = g.clone()
             dist.all_reduce(g)  # partial gradients sum to the exact one
             err = max(err, (g - rg).abs().max().item())
-        if Dv == D:  # the path users take (value head dim == head dim there)
-            err = max(err, _user_path_error(c, state, (q, k, v), dout, ref, ref_grads, gather_size))
+        err = max(err, _user_path_error(c, state, (q, k, v), dout, ref, ref_grads, gather_size))  # the users' path
         results.append((f"U={U} {c} gather_size={gather_size}", err, seen))
     return results
 
