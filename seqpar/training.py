@@ -31,7 +31,7 @@ label of a shard's last token is the first token of the next shard, which this r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +43,7 @@ from .placement.sizes import check_seq_lens, offsets
 from .attention import collective_checks
 from .comm import all_reduce, exchange_ints
 from .state import ParallelState, require_state
+from .tiled import TiledTokenwise, linear_cross_entropy_sum
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 __all__ = [
     "shift_labels",
     "sharded_cross_entropy",
+    "linear_cross_entropy",
+    "TiledTokenwise",
     "sharded_mean",
     "global_loss",
     "wrap_ddp",
@@ -134,26 +137,83 @@ def sharded_cross_entropy(
         )
     elif labels.dtype.is_floating_point or labels.dtype == torch.bool:
         error = ValueError(f"sharded_cross_entropy: labels must be integer class ids, got {labels.dtype}")
-    if state.cp_size > 1 and collective_checks(state, logits.device, lengths_known=True):
+
+    def local_sum(target: Tensor) -> Tensor:
+        return F.cross_entropy(_float_logits(logits), target, ignore_index=ignore_index, reduction="sum")
+
+    return _loss_share(local_sum, labels, error, state, logits.device, ignore_index, "sharded_cross_entropy")
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, state: ParallelState, *, chunk_size: int | None = None,
+    ignore_index: int = -100,
+) -> Tensor:
+    """:func:`sharded_cross_entropy` of ``hidden @ weight.T`` without the ``[T, V]`` logits: the
+    lm-head projection fused with the loss and tiled over tokens, recomputed in backward (Note
+    [Tiled token-wise work] in ``seqpar/tiled.py``). The same loss share, to rounding.
+
+    Args:
+        hidden: ``(..., S_local, hidden_size)``, the final hidden states of this rank's shard.
+        weight: ``(V, hidden_size)``, the lm-head weight (replicated: its gradient is partial,
+            summed over CP by the gradient rule like every parameter's).
+        labels: ``(..., S_local)``, the shard of the globally shifted labels.
+        state: the parallel state (the valid-token count is one collective, as in
+            :func:`sharded_cross_entropy`).
+        chunk_size: tokens per chunk; ``None`` keeps one chunk's fp32 logits near 64 MiB.
+        ignore_index: label value excluded from the loss and the count.
+
+    Returns:
+        Scalar ``L_c = sum(local token losses) / global valid-token count`` (float32; float64 for
+        float64 inputs). Peak extra memory ``chunk_size x V`` floats instead of ``T x V``.
+
+    Raises:
+        ValueError: shapes that do not match, non-integer labels or labels outside ``[0, V)``, a
+            bad ``chunk_size`` or ``state`` (raised on every CP rank where the call checks
+            collectively, as in :func:`sharded_cross_entropy`).
+    """
+    require_state(state, "linear_cross_entropy")
+    error = None
+    if not isinstance(hidden, Tensor) or not isinstance(labels, Tensor) or hidden.shape[:-1] != labels.shape:
+        error = ValueError(
+            f"linear_cross_entropy: hidden {tuple(getattr(hidden, 'shape', ()))} must be labels "
+            f"{tuple(getattr(labels, 'shape', ()))} plus a trailing hidden_size dim"
+        )
+    elif labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        error = ValueError(f"linear_cross_entropy: labels must be integer class ids, got {labels.dtype}")
+
+    def local_sum(target: Tensor) -> Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return linear_cross_entropy_sum(flat, weight, target, chunk_size=chunk_size, ignore_index=ignore_index)
+
+    device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
+    return _loss_share(local_sum, labels, error, state, device, ignore_index, "linear_cross_entropy")
+
+
+def _loss_share(
+    local_sum: Callable[[Tensor], Tensor], labels: Tensor, error: Exception | None, state: ParallelState,
+    device: torch.device, ignore_index: int, where: str,
+) -> Tensor:
+    """``local_sum(target) / global valid-token count``; a local ``error`` (found before any
+    collective) raises on every CP rank where calls check collectively."""
+    if state.cp_size > 1 and collective_checks(state, device, lengths_known=True):
         # The count's all-reduce becomes an all-gather that also carries each rank's verdict, so a
         # rank with bad labels makes every rank raise instead of leaving them waiting.
         target = None if error else labels.reshape(-1).long()
         count = 0 if error else int((target != ignore_index).sum())
-        rows = exchange_ints([count, int(error is not None)], state.cp_group, logits.device)
+        rows = exchange_ints([count, int(error is not None)], state.cp_group, device)
         if error:
             raise error
         bad = [c for c, row in enumerate(rows) if row[1]]
         if bad:
             raise ValueError(
-                f"sharded_cross_entropy: cp rank {bad[0]} refused its logits/labels (its own error "
-                "says why); every rank raises so that none waits for it"
+                f"{where}: cp rank {bad[0]} refused its inputs/labels (its own error says why); every rank "
+                "raises so that none waits for it"
             )
-        total = F.cross_entropy(_float_logits(logits), target, ignore_index=ignore_index, reduction="sum")
-        return total / max(1, sum(row[0] for row in rows))
+        return local_sum(target) / max(1, sum(row[0] for row in rows))
     if error:
         raise error
     target = labels.reshape(-1).long()
-    total = F.cross_entropy(_float_logits(logits), target, ignore_index=ignore_index, reduction="sum")
+    total = local_sum(target)
     count = _global_count((target != ignore_index).sum(), state)
     return total / count.to(total.dtype)
 

@@ -119,3 +119,44 @@ def test_tiled_tokenwise_refuses(bad, match):
     args = dict(module=nn.Identity(), num_chunks=2) | bad
     with pytest.raises(ValueError, match=match):
         TiledTokenwise(args["module"], args["num_chunks"])
+
+
+# ---------------------------------------------------------------------------------------------
+# seqpar.training.linear_cross_entropy: the CP loss share on top of the tiled sum
+
+
+def _rank_linear_ce(splits: list[tuple[int, int]], chunk_size: int | None) -> list[float]:
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.training import linear_cross_entropy, shift_labels
+
+    errors = []
+    for ring, uly in splits:
+        state = seqpar.ParallelState(ring_size=ring, ulysses_size=uly)
+        gen = torch.Generator().manual_seed(5)
+        B, S, Hd, V = 2, 37, 8, 29
+        hidden = torch.randn(B, S, Hd, generator=gen, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(V, Hd, generator=gen, dtype=torch.float64, requires_grad=True)
+        ids = torch.randint(0, V, (B, S), generator=gen)
+        ids[0, 4] = -100
+        labels = shift_labels(ids)
+        want = F.cross_entropy(hidden.reshape(-1, Hd) @ weight.t(), labels.reshape(-1), reduction="mean")
+        ref_dh, ref_dw = torch.autograd.grad(want, (hidden, weight))
+        h_local = seqpar.shard(hidden.detach(), state).requires_grad_()
+        share = linear_cross_entropy(h_local, weight, seqpar.shard(labels, state), state, chunk_size=chunk_size)
+        dh, dw = torch.autograd.grad(share, (h_local, weight))
+        total, dw_sum = share.detach().clone(), dw.clone()
+        dist.all_reduce(total, group=state.cp_group)  # the shares add up to the loss
+        dist.all_reduce(dw_sum, group=state.cp_group)  # replicated weight: partial gradients
+        errors.append(max(abs(total.item() - want.item()), (dw_sum - ref_dw).abs().max().item(),
+                          (dh - seqpar.shard(ref_dh, state)).abs().max().item()))
+        state.close()
+    return errors
+
+
+@pytest.mark.parametrize("world, splits", [(1, [(1, 1)]), (3, [(3, 1), (1, 3)]), (4, [(2, 2), (4, 1)])])
+def test_linear_cross_entropy_share_matches_one_device(pools, world, splits):
+    for chunk_size in (None, 3):
+        for rank, errors in enumerate(pools(world).run(_rank_linear_ce, splits, chunk_size)):
+            assert max(errors) < 1e-12, f"rank {rank}, splits {splits}, chunk {chunk_size}: {errors}"
