@@ -34,7 +34,7 @@ What that measures, and what it does not:
 
 Cross-rank checks must not read fake data: the states are built with ``checks="never"`` and the
 calls pass ``seq_len`` (dense) or ``seq_lens`` (packed), so that no call exchanges its lengths
-(Note [Global length] in ``seqpar.attention``); the run records every all-gather and warns if
+(Note [Global length] in ``seqpar.prepare``); the run records every all-gather and warns if
 one happened.
 
 ``init_process_group`` is once per process, so :func:`run_one_rank` (and :func:`run_tasks`)
