@@ -9,7 +9,8 @@ block, not skipped. A block that imports an optional package (transformers, diff
 flash-attn), or whose page marks it with ``<!-- docs-test: requires=diffusers -->`` on the line
 before the fence, is skipped -- with the reason shown by ``pytest -rs`` -- only when the package
 is missing or cannot be imported here. timm is imported as ``tests/test_timm.py`` imports it: behind
-a stand-in for torchvision when no working torchvision is importable (``scripts/example_timm.py``).
+a stand-in for torchvision when no working torchvision is importable
+(``seqpar.tools.torchvision_stub``).
 """
 
 from __future__ import annotations
@@ -161,11 +162,8 @@ def proj(x):
     return x.view(1, -1, 4, 8), x[..., :16].reshape(1, -1, 2, 8), x[..., 16:].reshape(1, -1, 2, 8)
 """
 # Every block that needs timm runs after this, in its worker: timm imports torchvision at import time.
-_TIMM = f"""
-import sys
-if {str(ROOT / "scripts")!r} not in sys.path:
-    sys.path.insert(0, {str(ROOT / "scripts")!r})
-from example_timm import import_timm
+_TIMM = """
+from seqpar.tools.torchvision_stub import import_timm
 import_timm(stand_in=True)
 """
 # The page's model is ViT-L/14 at 1036 px (300M parameters, 5,476 patches); the block runs the same
