@@ -25,7 +25,7 @@ per case.
 Run:
     python scripts/bench_all_to_all.py                 # CPU: spawns 4 gloo ranks
     python scripts/bench_all_to_all.py --world 3 --seq-len 8191
-    torchrun --nproc-per-node 8 scripts/bench_all_to_all.py   # CUDA/NCCL
+    python -m torch.distributed.run --nproc-per-node 8 scripts/bench_all_to_all.py   # CUDA/NCCL
 """
 
 from __future__ import annotations

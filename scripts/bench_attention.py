@@ -40,7 +40,7 @@ Run:
     python scripts/bench_attention.py                         # CPU: 4 gloo ranks, 3 configs
     python scripts/bench_attention.py --world 2 --seq-len 4096 --causal
     python scripts/bench_attention.py --ring 4 --window 4096 --seq-len 65536 --heads 2 --head-dim 64
-    torchrun --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
+    python -m torch.distributed.run --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the live storages created by
 ATen ops (``seqpar.tools.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a

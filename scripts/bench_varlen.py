@@ -24,7 +24,7 @@ Two launchers:
   thread each, the baseline in the parent with one thread. On a machine with fewer cores than
   ranks the per-rank times include time-sharing (the output warns); work balance does not
   depend on it.
-- ``torchrun --nproc-per-node N scripts/bench_varlen.py --device cuda ...``: one process per
+- ``python -m torch.distributed.run --nproc-per-node N scripts/bench_varlen.py --device cuda ...``: one process per
   GPU with NCCL (rank 0 prints; the baseline runs on rank 0's device).
 
 Output: the tables, notes and warnings, then the whole report as one JSON line (last line);

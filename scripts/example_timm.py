@@ -2,7 +2,7 @@
 
     python scripts/example_timm.py                               # ViT with 4 register tokens, 2 ranks
     python scripts/example_timm.py --model eva02 --world 3 --ring 3
-    torchrun --nproc-per-node 4 scripts/example_timm.py --model deit --ring 2 --ulysses 2
+    python -m torch.distributed.run --nproc-per-node 4 scripts/example_timm.py --model deit --ring 2 --ulysses 2
 
 A small random model (no download) is built on every rank from one seed and passed to
 ``seqpar.integrations.timm.parallelize(model, state)``. Every rank feeds the *full* images and

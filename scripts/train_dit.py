@@ -1,6 +1,6 @@
 """Train a small video DiT (flow matching) on synthetic clips with its attention under parallel_sdpa.
 
-    torchrun --standalone --nproc_per_node 4 scripts/train_dit.py --ring 2 --ulysses 2 \\
+    python -m torch.distributed.run --standalone --nproc_per_node 4 scripts/train_dit.py --ring 2 --ulysses 2 \\
         --steps 30 --check --plot dit_loss.png
 
 The model (``seqpar.tools.models.VideoDiT``) is plain PyTorch: every attention is

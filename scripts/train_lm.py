@@ -1,6 +1,6 @@
 """Train a tiny Llama-style causal LM on long synthetic documents with hybrid context parallelism.
 
-    torchrun --standalone --nproc_per_node 4 scripts/train_lm.py --ring 2 --ulysses 2 \\
+    python -m torch.distributed.run --standalone --nproc_per_node 4 scripts/train_lm.py --ring 2 --ulysses 2 \\
         --seq-len 1023 --steps 40 --check --plot lm_loss.png
 
 Every step, each data-parallel replica (``world / (ring * ulysses)`` of them) draws one batch of

@@ -18,7 +18,9 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
+import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +35,8 @@ __all__ = [
     "add_plot_argument",
     "chart",
     "plot_bars",
+    "origin",
+    "announce",
 ]
 
 _MATPLOTLIB_MISSING = 'matplotlib is not installed; install it with: pip install -e ".[train]"'
@@ -144,10 +148,37 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # --plot
 
 
+def origin() -> str:
+    """Which seqpar this process imported, and with which interpreter: ``"seqpar 0.4.0 from
+    /path/to/seqpar (python /path/to/python)"``. A ``torchrun`` outside the virtualenv (one made
+    with ``--system-site-packages`` resolves ``torchrun`` to the system's) imports another seqpar:
+    this line shows it."""
+    import seqpar
+
+    return f"seqpar {seqpar.__version__} from {Path(seqpar.__file__).parent} (python {sys.executable})"
+
+
+def announce(prog: str) -> None:
+    """Print ``"<prog>: <origin()>"`` on stderr, once per job (rank 0 under ``torchrun``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: {origin()}", file=sys.stderr, flush=True)
+
+
+class _ScriptParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that announces which seqpar runs (:func:`announce`) once the command
+    line parsed (not for ``--help`` or a usage error)."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's
+        parsed = super().parse_args(args, namespace)
+        announce(self.prog)
+        return parsed
+
+
 def script_parser(doc: str) -> argparse.ArgumentParser:
     """A script's command line: ``doc`` (its module docstring) as the description, in plain text,
-    and every option's default shown (:class:`HelpFormatter`)."""
-    return argparse.ArgumentParser(description=plain(doc), formatter_class=HelpFormatter)
+    and every option's default shown (:class:`HelpFormatter`); parsing it prints which seqpar the
+    script imported on stderr (:func:`announce`)."""
+    return _ScriptParser(description=plain(doc), formatter_class=HelpFormatter)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, chart: str) -> None:
