@@ -134,7 +134,8 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         reference_model=lambda: new_model(args, device),
         replica_loss=replica_loss,
         plot_style=Plot(
-            f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses}",
+            f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses} x dp "
+            f"{state.dp_size} ({state.dp_size * state.cp_size} ranks)",
             ylabel="flow-matching MSE",
             label="context parallel (parallel_sdpa)",
         ),

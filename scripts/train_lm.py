@@ -139,7 +139,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         norms,
         reference_model=lambda: new_model(args, "sdpa", device),
         replica_loss=replica_loss,
-        plot_style=Plot(f"tiny Llama, S={args.seq_len}, ring {args.ring} x ulysses {args.ulysses}"),
+        plot_style=Plot(
+            f"tiny Llama, S={args.seq_len}, ring {args.ring} x ulysses {args.ulysses} x dp {state.dp_size} "
+            f"({state.dp_size * state.cp_size} ranks)"
+        ),
     )
 
 

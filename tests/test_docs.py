@@ -358,3 +358,18 @@ def test_docs_have_python_blocks():
     pages = {b.page for b in BLOCKS}
     for page in ("README.md", "docs/conventions.md", "docs/recipes.md", "docs/planner.md"):
         assert page in pages, page
+
+
+# Pages whose blocks are complete programs (every rank runs them as they are): a block that builds a
+# multi-rank ParallelState must initialise the process group itself, as it would have to under
+# python -m torch.distributed.run (here the pool's is already up and the call is a no-op).
+COMPLETE_PAGES = ("docs/recipes.md", "docs/planner.md", "docs/howto-fsdp.md", "docs/howto-trainers.md")
+
+
+def test_complete_snippets_initialise_the_process_group():
+    multi_rank = re.compile(r"^[^#\n]*ParallelState\((ring_size|ulysses_size)=", re.MULTILINE)
+    checked = [b for b in BLOCKS if b.page in COMPLETE_PAGES and multi_rank.search(b.code)]
+    assert checked
+    for b in checked:
+        assert "init_process_group(" in b.code, f"{b.id}: builds a ParallelState without init_process_group"
+
