@@ -123,8 +123,8 @@ def _info(args: argparse.Namespace) -> int:
         return 2
     tied = ", ".join(f"{c.ring_size} x {c.ulysses_size}" for c in choice.tied)
     tied = f" (predicted tied with ring x ulysses {tied})" if tied else ""
-    print(f"\ndegree planner, {args.world} ranks, S={args.seq_len}, {args.dtype}: ring {choice.ring_size} x "
-          f"ulysses {choice.ulysses_size}{tied} (seqpar.ParallelState(ring_size={choice.ring_size}, "
+    print(f"\ndegree planner: ring {choice.ring_size} x ulysses {choice.ulysses_size}{tied} for {args.world} ranks, "
+          f"S={args.seq_len}, {args.dtype} (seqpar.ParallelState(ring_size={choice.ring_size}, "
           f"ulysses_size={choice.ulysses_size}))")
     for note in notes:
         print(f"  shape from this machine: {note}")

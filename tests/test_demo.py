@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import seqpar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +30,7 @@ def test_help_lists_commands():
     assert "demo" in proc.stdout and "info" in proc.stdout
 
 
+@pytest.mark.slow
 def test_demo_default_passes():
     proc = _seqpar("demo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -44,6 +47,7 @@ def test_demo_default_passes():
     assert any("starting 4 rank processes" in line for line in err) and any("ranks done in" in line for line in err)
 
 
+@pytest.mark.slow
 def test_demo_causal_ring_only_bf16():
     proc = _seqpar(
         "demo",
@@ -72,6 +76,7 @@ def test_demo_rejects_bad_degrees():
     assert "must divide --world-size 4" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_json_report():
     import json
 

@@ -334,7 +334,13 @@ def _unusable(package: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def _params() -> list:
+    """Blocks on 4 or more ranks (a pool of their own, slow on 2 cores) are marked ``slow``."""
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _settings(b)["ranks"] >= 4 else [])
+            for b in BLOCKS]
+
+
+@pytest.mark.parametrize("block", _params())
 def test_block_runs(block, pools):
     settings = _settings(block)
     required = _required(block, settings)

@@ -108,6 +108,7 @@ def _missing_default(help_text: str, options: list[list[str]]) -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_help_is_readable_and_shows_defaults(name, tmp_path_factory):
     proc, probe = _help_runs(str(tmp_path_factory.getbasetemp()))[name]
@@ -190,6 +191,7 @@ def test_bench_attention_plot_has_one_quantity_per_axis():
     assert panels[1].reference_line == 0.5
 
 
+@pytest.mark.slow
 def test_bench_varlen_plot(tmp_path):
     png = tmp_path / "varlen.png"
     proc = _run(
