@@ -25,7 +25,7 @@ per case.
 Run:
     python scripts/bench_all_to_all.py                 # CPU: spawns 4 gloo ranks
     python scripts/bench_all_to_all.py --world 3 --seq-len 8191
-    torchrun --nproc-per-node 8 scripts/bench_all_to_all.py   # CUDA/NCCL
+    python -m torch.distributed.run --nproc-per-node 8 scripts/bench_all_to_all.py   # CUDA/NCCL
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from seqpar.tools.bench import (
     usable_cores,
 )
 from seqpar.tools.profiling import StorageTracker, iteration_seconds, max_over_ranks
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 
 def _cases(args: argparse.Namespace, n: int) -> list[dict]:
@@ -136,7 +136,12 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
 def bench(args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
-    return [_run_case(c, args.iters, device, dtype) for c in _cases(args, dist.get_world_size())]
+    cases = _cases(args, dist.get_world_size())
+    results = []
+    for i, case in enumerate(cases):
+        progress("bench_all_to_all", f"case {i + 1}/{len(cases)}: {case['name']} {case['global_shape']}")
+        results.append(_run_case(case, args.iters, device, dtype))
+    return results
 
 
 def _report(results: list[dict], world: int, args: argparse.Namespace, device: str, ranks_per_node: int) -> None:

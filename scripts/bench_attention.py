@@ -40,7 +40,7 @@ Run:
     python scripts/bench_attention.py                         # CPU: 4 gloo ranks, 3 configs
     python scripts/bench_attention.py --world 2 --seq-len 4096 --causal
     python scripts/bench_attention.py --ring 4 --window 4096 --seq-len 65536 --heads 2 --head-dim 64
-    torchrun --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
+    python -m torch.distributed.run --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the live storages created by
 ATen ops (``seqpar.tools.profiling.PeakMemory``; tensors only, not kernel scratch), measured in a
@@ -84,7 +84,7 @@ from seqpar.tools.profiling import (
     maxrss_bytes,
     median_seconds,
 )
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import Panel, add_output_arguments, chart_panels, emit, progress, script_parser, table
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)
@@ -248,7 +248,8 @@ def bench_rank(p: dict, configs: list[tuple[str, int, int]]) -> list[dict]:
     dtype = getattr(torch, p["dtype"])
     masks = _masks(p)
     rows = []
-    for name, R, U in configs:
+    for i, (name, R, U) in enumerate(configs):
+        progress("bench_attention", f"configuration {i + 1}/{len(configs)}: {name} ring {R} x ulysses {U}")
         state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
         # Own storage per rank (a shard may be a view of the global tensor).
         q, k, v, dout = (seqpar.shard(t, state, dim=1).to(device).clone() for t in _inputs(p, torch.device("cpu"), dtype))
@@ -558,6 +559,8 @@ def main() -> None:
         configs = _configs(ranks.world, args.ring, args.ulysses)
         # Under torchrun every rank runs the baseline at once (one GPU each), else this process alone;
         # then the configurations on every rank.
+        if run_single:
+            progress("bench_attention", "single-device baseline")
         single = single_device(p, ranks.device) if run_single else None
         gathered = ranks.run(bench_rank, p, configs)
     if ranks.rank != 0:
@@ -577,11 +580,11 @@ def main() -> None:
         notes.append("speedup vs single: the single-device baseline runs alone on one thread while the "
                      f"{world} ranks share {p['cpu_cores']} core(s); it is not a parallel speedup")
     notes.append(_bytes_check(report))
-    emit(report, _text(report), notes, args.json, plot=chart(args.plot, *_chart(report)))
+    emit(report, _text(report), notes, args.json, plot=chart_panels(args.plot, *_chart(report)))
 
 
-def _chart(report: dict) -> tuple[str, list[str], dict[str, list[float | None]], str]:
-    """``--plot``'s title, rows, series and axis title (see the module docstring)."""
+def _chart(report: dict) -> tuple[str, list[str], list[Panel]]:
+    """``--plot``'s title, rows and panels, one quantity per axis (see the module docstring)."""
     p = report["problem"]
     shape = (f"B={p['batch']} S={p['seq_len']} H={p['heads']} Hkv={p['kv_heads']} D={p['head_dim']} {p['dtype']} "
              f"on {report['world']} ranks ({p['device']}), median of {p['iters']} iterations")
@@ -595,23 +598,27 @@ def _chart(report: dict) -> tuple[str, list[str], dict[str, list[float | None]],
             "kernel time (max rank)": [w["kernel_time_ratio_max_rank"] for w in rows],
         }
         return (f"causal window ({p['window']}, 0) / full causal, same tensors, iterations interleaved; {shape}",
-                [f"{w['config']} {w['ring']} x {w['ulysses']}" for w in rows], series,
-                "window / full causal (1.0 = no saving)")
+                [f"{w['config']} {w['ring']} x {w['ulysses']}" for w in rows],
+                [Panel("window / full causal (lower is better; 1.0 = no saving)", series)])
     configs = report["configs"]
     labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" for c in configs]
-    series = {}
+    panels = []
     if report["single_device"] is not None:
-        series["speedup (single time / time)"] = [c.get("speedup_vs_single") for c in configs]
+        panels.append(Panel("speedup: single time / time (higher is better)",
+                            {"speedup": [c.get("speedup_vs_single") for c in configs]}))
     if any("peak_vs_single" in c for c in configs):
-        series["peak memory per rank / single"] = [c.get("peak_vs_single") for c in configs]
-    if series:
+        panels.append(Panel(f"peak memory per rank / single (lower is better; ideal 1/{report['world']})",
+                            {"memory": [c.get("peak_vs_single") for c in configs]},
+                            reference_line=1 / report["world"]))
+    if panels:
         title = f"{configs[0]['mask']} attention against one device running the whole problem; {shape}"
         if p["device"] == "cpu" and report["world"] > p["cpu_cores"]:
             title += (f". WARNING: the {report['world']} ranks time-share {p['cpu_cores']} core(s), the baseline "
                       "runs alone: not a parallel speedup")
-        return title, labels, series, "x single device (1.0 = the same)"
-    return (f"{configs[0]['mask']} attention, attended pairs per rank, max / mean (1.0 = perfect balance); {shape}",
-            labels, {"pairs max/mean": [c["plan"]["pairs_max_over_mean"] for c in configs]}, "max / mean")
+        return title, labels, panels
+    return (f"{configs[0]['mask']} attention, attended pairs per rank; {shape}", labels,
+            [Panel("attended pairs, max / mean (lower is better; 1.0 = perfect balance)",
+                   {"pairs max/mean": [c["plan"]["pairs_max_over_mean"] for c in configs]})])
 
 
 def _bytes_check(report: dict) -> str:

@@ -44,7 +44,7 @@ from seqpar.tools.bench import (
     usable_cores,
 )
 from seqpar.tools.profiling import PhaseTimer
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 
 def build(args: argparse.Namespace):
@@ -133,6 +133,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, inputs = build(args)
     timer = PhaseTimer(torch.device("cpu"))
+    progress("bench_diffusers", "one-process reference")
     with torch.no_grad():
         timer.start()
         reference = model(**inputs)[0]
@@ -140,6 +141,7 @@ def main() -> None:
 
     rows, results, cores = [], [], usable_cores()
     for u in degrees:
+        progress("bench_diffusers", f"ulysses {u}: {u} local ranks, seqpar then diffusers")
         with Ranks(u, torchrun=False, timeout_s=3600) as ranks:  # local CPU ranks (see the docstring)
             per_rank = ranks.run(run_rank, args, u)
         seqpar_s = max(r["seqpar_s"] for r in per_rank)  # the slowest rank finishes the step

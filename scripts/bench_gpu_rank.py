@@ -44,7 +44,7 @@ import torch
 
 from seqpar.tools.bench import few_iterations_warning, parse_configs
 from seqpar.tools.one_rank import MaxLenSearch, OneRankConfig, run_tasks
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 GIB = 2**30
 
@@ -145,7 +145,12 @@ def main() -> None:
     if not tasks:
         raise SystemExit("nothing to run: --no-efficiency without --max-len")
 
-    results = run_tasks(tasks, timeout_s=args.timeout)
+    def started(i: int) -> None:
+        kind = kinds[i]
+        what = f"S={kind[3]}{' varlen' if kind[5] else ''}" if kind[0] == "run" else f"longest {kind[3]} sequence"
+        progress("bench_gpu_rank", f"task {i + 1}/{len(tasks)}: ring {kind[1]} x ulysses {kind[2]}, {what}")
+
+    results = run_tasks(tasks, timeout_s=args.timeout, on_start=started)
     runs = [_run_row(k, r) for k, r in zip(kinds, results) if k[0] == "run"]
     _add_dense_ratio(runs)
     searches = [_max_len_row(k, r) for k, r in zip(kinds, results) if k[0] == "max_len"]

@@ -42,7 +42,7 @@ import torch
 from seqpar.backends import get_backend
 from seqpar.tools.bench import usable_cores
 from seqpar.tools.profiling import iteration_seconds
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 
 def _best_times(fns: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
@@ -179,6 +179,7 @@ def main() -> None:
     varlen_rows, window_rows = [], []
     if args.varlen:
         for dtype, (label, lens), causal in itertools.product(dtypes, _scenarios(args.seed).items(), (False, True)):
+            progress("bench_kernels", f"varlen {str(dtype)[6:]} {label} {'causal' if causal else 'non-causal'}")
             t = _bench_varlen(args.backend, device, dtype, lens, causal, h, hkv, d, args.rounds)
             row = {"dtype": str(dtype)[6:], "scenario": label, "sequences": len(lens), "tokens": sum(lens), "causal": causal}
             for p, phase in (("f", "fwd"), ("b", "fwd_bwd")):
@@ -189,6 +190,7 @@ def main() -> None:
                 }
             varlen_rows.append(row)
     for dtype, (s, w) in itertools.product(dtypes, windows):
+        progress("bench_kernels", f"window {str(dtype)[6:]} S={s} W={w}")
         t = _bench_window(args.backend, device, dtype, s, w, h, hkv, d, args.rounds)
         row = {"dtype": str(dtype)[6:], "seq_len": s, "window": w, "pairs_per_head": _window_pairs(s, w),
                "equal_pairs_seq_len": t["s_eq"]}

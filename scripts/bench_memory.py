@@ -35,7 +35,7 @@ import seqpar
 from seqpar.backends import get_backend
 from seqpar.tools.bench import Ranks, inputs, parse_configs
 from seqpar.tools.profiling import PeakMemory
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 
 def _lengths(seq_len: int) -> list[int]:
@@ -134,6 +134,7 @@ def main() -> None:
     with Ranks(n, torchrun=False, timeout_s=600) as ranks:  # local CPU ranks only
         for R, U in configs:
             for packed in (False, True):
+                progress("bench_memory", f"ring {R} x ulysses {U}, {'packed' if packed else 'dense'}")
                 per_rank = ranks.run(measure, args, R, U, packed)
                 peak = max(r["peak"] for r in per_rank)
                 total = max(r["peak"] + r["workspace"] for r in per_rank)
@@ -168,7 +169,7 @@ def main() -> None:
         [f"{e['config']} {e['layout']}" for e in results],
         {"in-call": [e["in_call_x_ideal"] for e in results],
          "+ workspace": [e["with_workspace_x_ideal"] for e in results]},
-        f"peak per rank x {n} / ideal (one device)",
+        f"peak per rank x {n} / one device (lower is better; dashed line: the ideal 1.0)",
     )
     emit(report, text, notes, args.json, plot=plot)
 

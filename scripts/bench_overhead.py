@@ -19,7 +19,7 @@ import torch
 import seqpar
 from seqpar.backends import get_backend
 from seqpar.tools.profiling import median_seconds
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 
 def main() -> None:
@@ -51,11 +51,13 @@ def main() -> None:
         out, lse = backend.forward(q.detach(), k.detach(), v.detach(), causal=True, scale=scale)
         backend.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal=True, scale=scale)
 
+    progress("bench_overhead", "warm-up (20 calls of each)")
     for _ in range(20):  # warm-up: imports, caches
         ours()
         kernel()
     rounds = []
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
+        progress("bench_overhead", f"round {i + 1}/{args.rounds}: {args.iters} calls of seqpar, then of the kernel")
         a, b = (median_seconds(fn, args.iters, cpu, warmup=0, barrier=False, over_ranks=False) for fn in (ours, kernel))
         rounds.append((a, b, a / b))
     ratio = statistics.median(r[2] for r in rounds)

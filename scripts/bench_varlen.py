@@ -24,7 +24,7 @@ Two launchers:
   thread each, the baseline in the parent with one thread. On a machine with fewer cores than
   ranks the per-rank times include time-sharing (the output warns); work balance does not
   depend on it.
-- ``torchrun --nproc-per-node N scripts/bench_varlen.py --device cuda ...``: one process per
+- ``python -m torch.distributed.run --nproc-per-node N scripts/bench_varlen.py --device cuda ...``: one process per
   GPU with NCCL (rank 0 prints; the baseline runs on rank 0's device).
 
 Output: the tables, notes and warnings, then the whole report as one JSON line (last line);
@@ -59,7 +59,7 @@ from seqpar.tools.bench import (
     usable_cores,
 )
 from seqpar.tools.profiling import PeakMemory, iteration_seconds
-from seqpar.tools.report import add_output_arguments, chart, emit, script_parser, table
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -247,8 +247,11 @@ def main(argv: list[str] | None = None) -> None:
                 if world % (R * U):
                     raise SystemExit(f"--configs: {R}x{U} = {R * U} ranks does not divide the world of {world}")
             if rank == 0:
+                progress("bench_varlen", "unsharded baseline")
                 base = measure(cfg, seqpar.ParallelState(), device, together=False)
             for R, U in configs:
+                if rank == 0:
+                    progress("bench_varlen", f"ring {R} x ulysses {U}")
                 gathered = ranks.run(_rank, cfg, R, U, device)
                 if rank == 0:
                     results.append(_summarise(R, U, gathered, cfg, base))

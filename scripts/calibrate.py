@@ -1,8 +1,8 @@
 """Measure the degree planner's cost model on the ranks that will train, save it as JSON, and
 optionally print the planner's choice for a layer shape with it.
 
-    torchrun --nproc-per-node 8 scripts/calibrate.py --out cost.json          # one 8-GPU node
-    torchrun --nnodes 2 --nproc-per-node 8 ... scripts/calibrate.py --ranks-per-node 8 --out cost.json
+    python -m torch.distributed.run --nproc-per-node 8 scripts/calibrate.py --out cost.json          # one 8-GPU node
+    python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 ... scripts/calibrate.py --ranks-per-node 8 --out cost.json
     python scripts/calibrate.py --local 4 --out cost.json                     # 4 local CPU ranks (gloo)
 
     python -m seqpar info --cost cost.json --cp-size 16 --seq-len 262144 --heads 32 --kv-heads 8

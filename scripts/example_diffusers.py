@@ -2,7 +2,7 @@
 
     python scripts/example_diffusers.py                          # Flux, 2 ranks, Ulysses
     python scripts/example_diffusers.py --model wan --world 3 --ring 3
-    torchrun --nproc-per-node 4 scripts/example_diffusers.py --ring 2 --ulysses 2
+    python -m torch.distributed.run --nproc-per-node 4 scripts/example_diffusers.py --ring 2 --ulysses 2
 
 A small random model (no download) of the chosen family is built on every rank from one seed.
 Each rank calls ``seqpar.integrations.diffusers.parallelize(model, state)`` -- the model's own

@@ -2,7 +2,7 @@
 
     python scripts/example_timm.py                               # ViT with 4 register tokens, 2 ranks
     python scripts/example_timm.py --model eva02 --world 3 --ring 3
-    torchrun --nproc-per-node 4 scripts/example_timm.py --model deit --ring 2 --ulysses 2
+    python -m torch.distributed.run --nproc-per-node 4 scripts/example_timm.py --model deit --ring 2 --ulysses 2
 
 A small random model (no download) is built on every rank from one seed and passed to
 ``seqpar.integrations.timm.parallelize(model, state)``. Every rank feeds the *full* images and
@@ -13,18 +13,15 @@ gradients. Rank 0 compares both with the model on one device (exit status 1 abov
 
 timm imports torchvision at import time. Where no torchvision works with the installed torch
 (a CPU-only torch for which the registry has no torchvision build), ``--torchvision-stand-in``
-imports timm behind a stand-in whose every object raises when used; the ViT and EVA models never
-use it. Without ``torchrun`` the ranks are local gloo processes (``seqpar.tools.bench.Ranks``).
+imports timm behind a stand-in whose every object raises when used
+(``seqpar.tools.torchvision_stub.import_timm``); the ViT and EVA models never use it. Without
+``torchrun`` the ranks are local gloo processes (``seqpar.tools.bench.Ranks``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
 import os
-import sys
-import types
 
 import torch
 import torch.distributed as dist
@@ -32,78 +29,7 @@ import torch.distributed as dist
 import seqpar
 from seqpar.tools.bench import check_on_ranks
 from seqpar.tools.report import script_parser
-
-
-class _Absent:
-    """A torchvision name that timm binds at import time; calling it raises."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> _Absent:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Absent(f"{self._name}.{attr}")
-
-    def __call__(self, *args: object, **kwargs: object) -> None:
-        raise RuntimeError(f"{self._name} is a stand-in: no torchvision works with this torch")
-
-    def __mro_entries__(self, bases: tuple) -> tuple[type, ...]:  # timm.data subclasses transforms
-        return (object,)
-
-
-class _StandInModule(types.ModuleType):
-    def __getattr__(self, attr: str) -> _Absent:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Absent(f"{self.__name__}.{attr}")
-
-
-class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _StandInModule(spec.name)
-
-    def exec_module(self, module):
-        module.__path__ = []
-
-
-def _forget(prefix: str) -> None:
-    for name in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
-        del sys.modules[name]
-
-
-def import_timm(stand_in: bool) -> tuple[types.ModuleType, str | None]:
-    """``(timm, why)``: ``why`` says why torchvision was stood in for, ``None`` if it was not.
-
-    Raises:
-        ImportError: timm is missing, or torchvision is unusable and ``stand_in`` is false.
-    """
-    try:
-        import torchvision  # noqa: F401
-    except Exception as e:  # missing, or built for another torch (its C ops fail to register)
-        why = f"{type(e).__name__}: {str(e)[:100]}"
-        _forget("torchvision")
-        if not stand_in:
-            raise ImportError(
-                f"timm imports torchvision, which does not import here ({why}); install a torchvision "
-                "built for this torch, or pass --torchvision-stand-in"
-            ) from e
-        finder = _StandInFinder()
-        sys.meta_path.insert(0, finder)
-        try:
-            import timm
-        finally:
-            sys.meta_path.remove(finder)
-            _forget("torchvision")  # later imports of torchvision fail as they would have
-        return timm, why
-    import timm
-
-    return timm, None
+from seqpar.tools.torchvision_stub import import_timm
 
 
 def build(name: str):
@@ -172,7 +98,7 @@ def main() -> None:
     try:
         _, why = import_timm(args.torchvision_stand_in)  # fail early, before starting ranks
     except ImportError as e:
-        raise SystemExit(str(e)) from None
+        raise SystemExit(f"{e} (here: pass --torchvision-stand-in)") from None
     if why and os.environ.get("RANK", "0") == "0":
         print(f"note: timm imported with a stand-in for torchvision ({why})")
     check_on_ranks(run, args)

@@ -1,6 +1,6 @@
 """Train a small video DiT (flow matching) on synthetic clips with its attention under parallel_sdpa.
 
-    torchrun --standalone --nproc_per_node 4 scripts/train_dit.py --ring 2 --ulysses 2 \\
+    python -m torch.distributed.run --standalone --nproc_per_node 4 scripts/train_dit.py --ring 2 --ulysses 2 \\
         --steps 30 --check --plot dit_loss.png
 
 The model (``seqpar.tools.models.VideoDiT``) is plain PyTorch: every attention is
@@ -134,7 +134,8 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         reference_model=lambda: new_model(args, device),
         replica_loss=replica_loss,
         plot_style=Plot(
-            f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses}",
+            f"video DiT, {grid} = {num_tokens} tokens, ring {args.ring} x ulysses {args.ulysses} x dp "
+            f"{state.dp_size} ({state.dp_size * state.cp_size} ranks)",
             ylabel="flow-matching MSE",
             label="context parallel (parallel_sdpa)",
         ),

@@ -1,6 +1,6 @@
 """Train a tiny Llama-style causal LM on long synthetic documents with hybrid context parallelism.
 
-    torchrun --standalone --nproc_per_node 4 scripts/train_lm.py --ring 2 --ulysses 2 \\
+    python -m torch.distributed.run --standalone --nproc_per_node 4 scripts/train_lm.py --ring 2 --ulysses 2 \\
         --seq-len 1023 --steps 40 --check --plot lm_loss.png
 
 Every step, each data-parallel replica (``world / (ring * ulysses)`` of them) draws one batch of
@@ -139,7 +139,10 @@ def train(args: argparse.Namespace, device: torch.device) -> int:
         norms,
         reference_model=lambda: new_model(args, "sdpa", device),
         replica_loss=replica_loss,
-        plot_style=Plot(f"tiny Llama, S={args.seq_len}, ring {args.ring} x ulysses {args.ulysses}"),
+        plot_style=Plot(
+            f"tiny Llama, S={args.seq_len}, ring {args.ring} x ulysses {args.ulysses} x dp {state.dp_size} "
+            f"({state.dp_size * state.cp_size} ranks)"
+        ),
     )
 
 

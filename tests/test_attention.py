@@ -143,6 +143,7 @@ def test_case_generation_covers_every_axis():
             assert {c[name] for c in every} == set(values), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(_WORLDS))
 def test_attention_matches_reference(pools, world):
     factorizations, n = _WORLDS[world]

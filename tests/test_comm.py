@@ -81,6 +81,7 @@ def _all_to_all_cases(dtypes):
     return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_all_to_all_bit_exact(pools, world):
     dtypes = DTYPES if world <= 4 else [torch.float32, torch.bfloat16]
@@ -191,6 +192,7 @@ def _split_gather_cases():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_split_gather_reduce(pools, world):
     assert all(pools(world).run(_split_gather_cases))

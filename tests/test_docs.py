@@ -9,7 +9,8 @@ block, not skipped. A block that imports an optional package (transformers, diff
 flash-attn), or whose page marks it with ``<!-- docs-test: requires=diffusers -->`` on the line
 before the fence, is skipped -- with the reason shown by ``pytest -rs`` -- only when the package
 is missing or cannot be imported here. timm is imported as ``tests/test_timm.py`` imports it: behind
-a stand-in for torchvision when no working torchvision is importable (``scripts/example_timm.py``).
+a stand-in for torchvision when no working torchvision is importable
+(``seqpar.tools.torchvision_stub``).
 """
 
 from __future__ import annotations
@@ -161,11 +162,8 @@ def proj(x):
     return x.view(1, -1, 4, 8), x[..., :16].reshape(1, -1, 2, 8), x[..., 16:].reshape(1, -1, 2, 8)
 """
 # Every block that needs timm runs after this, in its worker: timm imports torchvision at import time.
-_TIMM = f"""
-import sys
-if {str(ROOT / "scripts")!r} not in sys.path:
-    sys.path.insert(0, {str(ROOT / "scripts")!r})
-from example_timm import import_timm
+_TIMM = """
+from seqpar.tools.torchvision_stub import import_timm
 import_timm(stand_in=True)
 """
 # The page's model is ViT-L/14 at 1036 px (300M parameters, 5,476 patches); the block runs the same
@@ -336,7 +334,13 @@ def _unusable(package: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def _params() -> list:
+    """Blocks on 4 or more ranks (a pool of their own, slow on 2 cores) are marked ``slow``."""
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _settings(b)["ranks"] >= 4 else [])
+            for b in BLOCKS]
+
+
+@pytest.mark.parametrize("block", _params())
 def test_block_runs(block, pools):
     settings = _settings(block)
     required = _required(block, settings)
@@ -360,3 +364,18 @@ def test_docs_have_python_blocks():
     pages = {b.page for b in BLOCKS}
     for page in ("README.md", "docs/conventions.md", "docs/recipes.md", "docs/planner.md"):
         assert page in pages, page
+
+
+# Pages whose blocks are complete programs (every rank runs them as they are): a block that builds a
+# multi-rank ParallelState must initialise the process group itself, as it would have to under
+# python -m torch.distributed.run (here the pool's is already up and the call is a no-op).
+COMPLETE_PAGES = ("docs/recipes.md", "docs/planner.md", "docs/howto-fsdp.md", "docs/howto-trainers.md")
+
+
+def test_complete_snippets_initialise_the_process_group():
+    multi_rank = re.compile(r"^[^#\n]*ParallelState\((ring_size|ulysses_size)=", re.MULTILINE)
+    checked = [b for b in BLOCKS if b.page in COMPLETE_PAGES and multi_rank.search(b.code)]
+    assert checked
+    for b in checked:
+        assert "init_process_group(" in b.code, f"{b.id}: builds a ParallelState without init_process_group"
+

@@ -69,6 +69,7 @@ def test_rank_work_sums_to_the_mask():
     assert sum(rank_work(dataclasses.replace(full, cp_rank=r))["pairs"] for r in range(3)) == 5 * 101 * 101
 
 
+@pytest.mark.slow
 def test_measure_reports_figures_and_bad_configs_raise():
     config = dataclasses.replace(CASES["2x2 dense causal"], warmup=1, iters=2, cp_rank=3)
     out = run_tasks([config], timeout_s=300)[0]
@@ -82,6 +83,7 @@ def test_measure_reports_figures_and_bad_configs_raise():
         MaxLenSearch(CASES["3x1 packed causal"])
 
 
+@pytest.mark.slow
 def test_max_len_search_on_the_cpu():
     config = dataclasses.replace(CASES["2x2 dense causal"], warmup=0, iters=1, monolithic=False)
     small, large = run_tasks(
@@ -95,6 +97,7 @@ def test_max_len_search_on_the_cpu():
     assert 0.9 < small["stub_vs_real"]["ratio"] < 1.1, small["stub_vs_real"]
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_smoke(tmp_path):
     """Every step of the GPU check runs (tiny sizes, CPU) and writes its summary."""
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check"), "--cpu-smoke", "--out", str(tmp_path),

@@ -209,6 +209,7 @@ def _states_and_memory(shapes):
     return out
 
 
+@pytest.mark.slow
 def test_state_and_memory_estimate(pools):
     shapes = [(2048, 6, 2, 64, True, (-1, -1)), (3001, 9, 3, 32, False, (-1, -1)), (4096, 8, 8, 32, True, (255, 0))]
     per_rank = pools(4).run(_states_and_memory, shapes)
@@ -366,6 +367,7 @@ def test_lower_bound_order_statistic():
     assert _lower_bound(ratios) == ratios[2]  # n = 12: the third smallest (P(X < 3) = 0.019)
 
 
+@pytest.mark.slow
 def test_choice_within_ten_percent_of_fastest(pools):
     """Note [Planner timing test]: on every shape the chosen factorisation is not significantly
     slower than 1.10 x the fastest one measured in the same run."""
@@ -397,6 +399,7 @@ def test_info_prints_the_planners_choice():
     assert bad.returncode == 2 and "H=7 query heads must be a positive multiple of the Hkv=8" in bad.stderr
 
 
+@pytest.mark.slow
 def test_calibrate_script_writes_a_cost_model(tmp_path):
     out = tmp_path / "cost.json"
     proc = _python("scripts/calibrate.py", "--local", "2", "--repeats", "1", "--out", str(out))

@@ -169,6 +169,7 @@ def _brute_work(lens, R, U, mask):
     return out
 
 
+@pytest.mark.slow
 def test_attention_work_matches_brute_force():
     for R, U in [(1, 1), (2, 1), (3, 2), (4, 1)]:
         for lens in ([37], [5, 0, 17, 1], [64, 3, 3]):
@@ -196,6 +197,7 @@ def test_zigzag_balances_dense_causal_work():
     assert max(contiguous) > 6 * min(contiguous)
 
 
+@pytest.mark.slow
 def test_packed_placement_balances_realistic_mixes():
     """The rotated remainders (Note [Sharding placement]) keep max/mean <= 1.05."""
     rng = random.Random(0)
@@ -292,6 +294,7 @@ def _check_cases(cases):
     return results
 
 
+@pytest.mark.slow
 def test_ring_size_8_every_head_layout(pools):
     cases = [(37, 2, h, hkv, 8, True, "float64", "cpu", 50 + i) for i, (h, hkv) in enumerate(_HEADS)]
     cases += [(13, 1, 4, 2, 8, causal, dt, "auto", 7) for causal in (False, True) for dt in ("float32", "bfloat16")]

@@ -227,6 +227,7 @@ def _rank_many_calls(iters: int) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_many_calls_do_not_grow(pools):
     for rank, r in enumerate(pools(4).run(_rank_many_calls, 300)):
         assert r["tensors"][1] <= r["tensors"][0], (rank, r)

@@ -108,6 +108,7 @@ def _missing_default(help_text: str, options: list[list[str]]) -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_help_is_readable_and_shows_defaults(name, tmp_path_factory):
     proc, probe = _help_runs(str(tmp_path_factory.getbasetemp()))[name]
@@ -150,8 +151,47 @@ def test_bench_overhead_plot(tmp_path):
                 timeout=120)
     _check_plot(proc, png)
     assert json.loads(proc.stdout.splitlines()[-1])["args"]["plot"] == str(png)
+    # stderr: which seqpar runs (this checkout's), then a line per round.
+    err = proc.stderr.splitlines()
+    assert any(line.startswith("bench_overhead.py: seqpar ") and f"from {ROOT / 'seqpar'} " in line for line in err), err
+    assert sum("bench_overhead: round " in line for line in err) == 2, err
 
 
+def test_plot_bars_start_at_zero_with_the_ideal_as_a_line():
+    """A 1.00 ratio is a full-length bar (not a zero-length one from the reference line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from seqpar.tools.report import Panel, _draw_panel
+
+    fig, ax = plt.subplots()
+    _draw_panel(ax, ["a", "b"], Panel("x ideal (lower is better)", {"memory": [1.0, 2.5]}, reference_line=1.0))
+    bars = ax.patches
+    assert [b.get_x() for b in bars] == [0.0, 0.0] and [b.get_width() for b in bars] == [1.0, 2.5]
+    assert [line.get_xdata()[0] for line in ax.lines] == [1.0]  # the ideal, dashed
+    plt.close(fig)
+
+
+def test_bench_attention_plot_has_one_quantity_per_axis():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPTS / "bench_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    problem = dict(batch=1, seq_len=64, heads=2, kv_heads=2, head_dim=8, dtype="float32", device="cpu", iters=1,
+                   cpu_cores=2)
+    configs = [dict(config="ring", ring=2, ulysses=1, mask="causal", speedup_vs_single=1.5, peak_vs_single=0.6),
+               dict(config="ulysses", ring=1, ulysses=2, mask="causal", speedup_vs_single=1.2, peak_vs_single=0.7)]
+    title, labels, panels = module._chart({"problem": problem, "configs": configs, "single_device": {}, "world": 2})
+    assert labels == ["ring 2 x 1", "ulysses 1 x 2"]
+    assert [list(p.series) for p in panels] == [["speedup"], ["memory"]]
+    assert "higher is better" in panels[0].value_label and "lower is better" in panels[1].value_label
+    assert panels[1].reference_line == 0.5
+
+
+@pytest.mark.slow
 def test_bench_varlen_plot(tmp_path):
     png = tmp_path / "varlen.png"
     proc = _run(

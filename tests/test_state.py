@@ -82,6 +82,7 @@ def _subgroup_parent():
     return t.item()
 
 
+@pytest.mark.slow
 def test_subgroup_parent():
     # Its own pool: sub-group states change the process-group history of only some ranks.
     from seqpar.tools.testing import DistPool

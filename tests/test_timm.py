@@ -5,19 +5,15 @@ import FrozenBatchNorm2d``; ``timm.data`` subclasses torchvision transforms), an
 torchvision built for the CPU torch 2.13 (torchvision 0.28.0's wheel links ``libtorch_cuda.so``).
 None of that is on the ViT/EVA forward path, so when no working torchvision is importable, timm is
 imported behind a stand-in for torchvision whose every object raises when used
-(``scripts/example_timm.py``'s ``import_timm``; a warning in the test summary says so). The module
+(``seqpar.tools.torchvision_stub.import_timm``; a warning in the test summary says so). The module
 is skipped, with the reason shown by ``pytest -rs``, only if timm itself is missing.
 """
 
 import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 if importlib.util.find_spec("timm") is None:
     pytest.skip(
@@ -26,7 +22,7 @@ if importlib.util.find_spec("timm") is None:
         allow_module_level=True,
     )
 
-from example_timm import import_timm  # noqa: E402
+from seqpar.tools.torchvision_stub import import_timm  # noqa: E402
 
 timm, _why = import_timm(stand_in=True)
 if _why:
@@ -38,6 +34,8 @@ if _why:
 
 import seqpar  # noqa: E402
 from seqpar.integrations.timm import parallelize  # noqa: E402
+
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
 
 ATOL = 1e-4
 GRAD_RTOL = 1e-3  # fp32, relative to the largest entry of each gradient

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .choose import DegreePlan, plan
+from .choose import TIE_RTOL, DegreePlan, plan
 from .cost import PRESETS, CostModel, KernelRates, Link
 from .predict import Candidate, Shape, predict
 
@@ -39,6 +39,7 @@ __all__ = [
     "KernelRates",
     "Link",
     "PRESETS",
+    "TIE_RTOL",
     "calibrate",
 ]
 

@@ -14,7 +14,12 @@ from ..state import ParallelState
 from .cost import CostModel
 from .predict import Candidate, Shape, predict
 
-__all__ = ["DegreePlan", "plan"]
+__all__ = ["DegreePlan", "plan", "TIE_RTOL"]
+
+# Predicted times closer than this (relative) are a tie: the cost model is not that accurate
+# (measured choices are checked to within 10% in tests/test_planner.py), so 205 ms against 206 ms
+# says nothing about which split is faster.
+TIE_RTOL = 0.02
 
 
 def _mib(nbytes: float) -> str:
@@ -63,6 +68,13 @@ class DegreePlan:
         """``U`` of the chosen factorisation."""
         return self.chosen.ulysses_size
 
+    @property
+    def tied(self) -> tuple[Candidate, ...]:
+        """The other candidates predicted within ``TIE_RTOL`` (2%) of the chosen one's time: as fast
+        as far as the cost model can tell."""
+        limit = self.chosen.time_s * (1 + TIE_RTOL)
+        return tuple(c for c in self.candidates if c is not self.chosen and c.time_s <= limit)
+
     def candidate(self, ring_size: int, ulysses_size: int) -> Candidate:
         """The prediction for ``R x U``.
 
@@ -81,13 +93,13 @@ class DegreePlan:
         return ParallelState(ring_size=self.ring_size, ulysses_size=self.ulysses_size, group=group)
 
     def table(self) -> str:
-        """The candidates as a plain-text table (the chosen one marked ``*``)."""
+        """The candidates as a plain-text table (the chosen one marked ``*``, ties ``=``)."""
         head = ("", "ring x ulysses", "time/layer", "all-to-all", "ring K/V", "memory", "imbalance", "heads/rank")
         rows = [head]
         for c in self.candidates:
             heads = sorted(set(c.heads))
             rows.append((
-                "*" if c is self.chosen else "",
+                "*" if c is self.chosen else "=" if c in self.tied else "",
                 f"{c.ring_size} x {c.ulysses_size}",
                 _ms(c.time_s),
                 _mib(c.ulysses_bytes),
@@ -117,10 +129,21 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
     against = f"{_ms(runner.time_s)} for {runner.label()}"
     if worst is not runner:
         against += f" and {_ms(worst.time_s)} for {worst.label()}"
-    parts = [
-        f"For {what} on {cp_size} ranks ({ranks_per_node} per node), {best.label()} is predicted "
-        f"fastest at {_ms(best.time_s)} per layer (forward and backward), against {against}."
-    ]
+    tied = [c for c in others if c.time_s <= best.time_s * (1 + TIE_RTOL)]
+    if tied:
+        labels = [best.label(), *(c.label() for c in tied)]
+        names = ", ".join(labels[:-1]) + f" and {labels[-1]}"
+        parts = [
+            f"For {what} on {cp_size} ranks ({ranks_per_node} per node), {names} are tied: predicted "
+            f"{', '.join(_ms(c.time_s) for c in [best, *tied])} per layer (forward and backward), within "
+            f"{TIE_RTOL:.0%}, closer than the cost model can tell apart. The plan takes {best.label()} (the lower "
+            "prediction, by a hair); measure them if it matters."
+        ]
+    else:
+        parts = [
+            f"For {what} on {cp_size} ranks ({ranks_per_node} per node), {best.label()} is predicted "
+            f"fastest at {_ms(best.time_s)} per layer (forward and backward), against {against}."
+        ]
     gains = {k: runner.parts[k] - best.parts[k] for k in best.parts}
     reason = max(gains, key=gains.get)
     if gains[reason] > 0:

@@ -10,5 +10,6 @@ Nothing here is imported by ``import seqpar``; import the module you need:
 - :mod:`.models`: tiny reference models (a video DiT, small ``transformers`` configs);
 - :mod:`.bench`: what the benchmarks under ``scripts/`` share: launching ranks, inputs, warnings;
 - :mod:`.report`: their output: tables, the JSON line, ``--plot`` charts, readable ``--help``;
-- :mod:`.train_harness`: what ``scripts/train_*.py`` share: launch, loop, ``--check``, plot.
+- :mod:`.train_harness`: what ``scripts/train_*.py`` share: launch, loop, ``--check``, plot;
+- :mod:`.torchvision_stub`: ``import_timm()``, timm where no torchvision works (a CPU-only torch).
 """

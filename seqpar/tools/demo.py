@@ -22,6 +22,7 @@ import re
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -154,8 +155,10 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
         world_size=cfg.world_size,
         timeout=timedelta(seconds=300),
     )
+    say = _progress if rank == 0 else (lambda text: None)
     try:
         state = seqpar.ParallelState(cfg.ring, cfg.ulysses)
+        say(f"{cfg.world_size} ranks up; timing {cfg.iters} forward+backward calls after a warm-up call")
         dtype = _DTYPES[cfg.dtype]
         q, k, v, dout = (seqpar.shard(t, state).to(device, dtype) for t in _inputs(cfg, state.dp_rank))
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -163,6 +166,7 @@ def _rank_main(rank: int, cfg: _Config, store_dir: str) -> None:
         # Every mark waits for the device and for the CP group: a phase lasts as on its slowest rank.
         timer = PhaseTimer(device, barrier=True, group=state.cp_group)
         stats = _measure(_attention_call(seqpar, q, k, v, dout, state, cfg, cfg.seq_len), timer, cfg.iters)
+        say("measured; one more call for the comparison with one device")
         for t in (q, k, v):
             t.grad = None
         out = seqpar.attention(q, k, v, state, causal=cfg.causal, backend=cfg.backend, seq_len=cfg.seq_len)
@@ -261,6 +265,44 @@ def _check(args: argparse.Namespace) -> _Config:
     )
 
 
+def _progress(text: str) -> None:
+    """A progress line on stderr (stdout keeps the report, or the JSON)."""
+    print(f"seqpar demo: {text}", file=sys.stderr, flush=True)
+
+
+def _head_split(cfg: _Config) -> list[int]:
+    """Query heads per Ulysses rank, e.g. ``[5, 4]`` for H=9 over U=2."""
+    from seqpar.placement.sizes import split_sizes
+
+    return split_sizes(cfg.heads, cfg.ulysses)
+
+
+def _memory_notes(cfg: _Config, workspace_mib: float) -> list[str]:
+    """What the ``x ideal`` column means, and why it is above 1 here."""
+    cp = cfg.ring * cfg.ulysses
+    heads = _head_split(cfg)
+    notes = [
+        f"x ideal: this rank's memory x {cp} / one device's memory for the whole sequence; 1.00 would be an "
+        f"exact 1/{cp} share. Above 1 because a rank also holds communication buffers the single device does "
+        "not need: Ulysses' all-to-all inputs and outputs (its ring-local tokens for its heads), the ring's K/V "
+        f"block in flight next to the current one, and dK/dV travelling back (the reused workspace, "
+        f"{workspace_mib:.1f} MiB per rank, is not counted)."
+    ]
+    uneven_kv = cfg.ulysses > 1 and cfg.kv_heads % cfg.ulysses != 0
+    if len(set(heads)) > 1 or uneven_kv:
+        split_kv = (
+            f", and the {cfg.kv_heads} K/V heads do not split evenly: a K/V head read by several Ulysses ranks is "
+            "sent to each of them" if uneven_kv else ""
+        )
+        notes.append(
+            f"uneven heads: H={cfg.heads} query heads over ulysses {cfg.ulysses} are split {heads}, so a Ulysses rank "
+            f"holds up to {max(heads)}/{cfg.heads} of them, not 1/{cfg.ulysses}{split_kv}. The demo's default shape "
+            "is this worst case on purpose (nothing needs to divide anything); with heads that divide "
+            "(--heads 8 --kv-heads 2) every rank holds the same share and x ideal drops (about 1.5 on CPU)."
+        )
+    return notes
+
+
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
@@ -271,8 +313,11 @@ def run(args: argparse.Namespace) -> int:
 
     import seqpar
 
+    from .report import origin
+
     cfg = _check(args)
     dtype = _DTYPES[cfg.dtype]
+    _progress(origin())
     say = (lambda *a, **k: None) if args.json else print
     say(
         f"seqpar demo: {cfg.world_size} ranks ({'nccl' if cfg.device == 'cuda' else 'gloo'}, {cfg.device}), "
@@ -282,13 +327,16 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     start = time.perf_counter()
+    _progress(f"starting {cfg.world_size} rank processes (spawn: each imports torch, a few seconds)")
     with tempfile.TemporaryDirectory(prefix="seqpar-demo-") as tmp:
         mp.start_processes(
             _rank_main, args=(cfg, tmp), nprocs=cfg.world_size, start_method="spawn", join=True
         )
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cfg.world_size)]
     spawn_s = time.perf_counter() - start
+    _progress(f"ranks done in {spawn_s:.1f}s; timing the whole sequence on one device")
     single = _single_device(cfg)
+    _progress("computing the float64 single-device reference and comparing")
 
     exact: dict[int, dict[str, torch.Tensor]] = {}
     same: dict[int, dict[str, torch.Tensor]] = {}
@@ -356,11 +404,11 @@ def run(args: argparse.Namespace) -> int:
         f"{report['fwd_vs_single']:.2f}, bwd {report['bwd_vs_single']:.2f}"
     )
     print(
-        f"times: median of {cfg.iters} calls after a warm-up; memory: tensor storage created in one call "
-        f"({'CUDA allocator peak' if cfg.device == 'cuda' else 'counted per storage'}), x ideal = per-rank "
-        f"memory x {cp} / one device's (reused workspace per rank, not included: "
-        f"{max(r['workspace_bytes'] for r in rows) / 2**20:.1f} MiB)"
+        f"times: median of {cfg.iters} calls after a warm-up; MiB: tensor storage created in one call "
+        f"({'CUDA allocator peak' if cfg.device == 'cuda' else 'counted per storage'})"
     )
+    for note in _memory_notes(cfg, max(r["workspace_bytes"] for r in rows) / 2**20):
+        print(textwrap.fill(note, 100, subsequent_indent="  "))
     if shared:
         print(
             f"note: {cfg.world_size} ranks share {cores} CPU core(s); rank times include the time-sharing and "

@@ -1011,7 +1011,10 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def run_tasks(tasks: Sequence[Task], *, timeout_s: float | None = None, python: str | None = None) -> list[dict]:
+def run_tasks(
+    tasks: Sequence[Task], *, timeout_s: float | None = None, python: str | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> list[dict]:
     """Run one-rank measurements and searches in fresh processes; one result per task, in order.
 
     All tasks go to one child process (its fake world is re-initialised when ``R * U`` or the
@@ -1023,6 +1026,8 @@ def run_tasks(tasks: Sequence[Task], *, timeout_s: float | None = None, python: 
         tasks: :class:`OneRankConfig` (measure) and :class:`MaxLenSearch` objects.
         timeout_s: limit per task (``None``: none).
         python: the interpreter (default: this one).
+        on_start: called with a task's index when the child starts it (e.g. a progress line); the
+            child starts task ``i + 1`` when task ``i`` has answered.
     """
     encoded = [_encode(t) for t in tasks]
     results: list[dict | None] = [None] * len(encoded)
@@ -1048,8 +1053,11 @@ def run_tasks(tasks: Sequence[Task], *, timeout_s: float | None = None, python: 
             t.start()
         proc.stdin.write(json.dumps(encoded[start:]))
         proc.stdin.close()
-        index = start
+        index, announced = start, start - 1
         while index < len(encoded):
+            if on_start is not None and announced < index:
+                on_start(index)
+                announced = index
             try:
                 line = lines.get(timeout=timeout_s)
             except queue.Empty:

@@ -18,9 +18,12 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
+import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -32,7 +35,14 @@ __all__ = [
     "add_output_arguments",
     "add_plot_argument",
     "chart",
+    "chart_panels",
+    "Panel",
     "plot_bars",
+    "plot_panels",
+    "progress",
+    "progress_bar",
+    "origin",
+    "announce",
 ]
 
 _MATPLOTLIB_MISSING = 'matplotlib is not installed; install it with: pip install -e ".[train]"'
@@ -144,10 +154,37 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # --plot
 
 
+def origin() -> str:
+    """Which seqpar this process imported, and with which interpreter: ``"seqpar 0.4.0 from
+    /path/to/seqpar (python /path/to/python)"``. A ``torchrun`` outside the virtualenv (one made
+    with ``--system-site-packages`` resolves ``torchrun`` to the system's) imports another seqpar:
+    this line shows it."""
+    import seqpar
+
+    return f"seqpar {seqpar.__version__} from {Path(seqpar.__file__).parent} (python {sys.executable})"
+
+
+def announce(prog: str) -> None:
+    """Print ``"<prog>: <origin()>"`` on stderr, once per job (rank 0 under ``torchrun``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: {origin()}", file=sys.stderr, flush=True)
+
+
+class _ScriptParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that announces which seqpar runs (:func:`announce`) once the command
+    line parsed (not for ``--help`` or a usage error)."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's
+        parsed = super().parse_args(args, namespace)
+        announce(self.prog)
+        return parsed
+
+
 def script_parser(doc: str) -> argparse.ArgumentParser:
     """A script's command line: ``doc`` (its module docstring) as the description, in plain text,
-    and every option's default shown (:class:`HelpFormatter`)."""
-    return argparse.ArgumentParser(description=plain(doc), formatter_class=HelpFormatter)
+    and every option's default shown (:class:`HelpFormatter`); parsing it prints which seqpar the
+    script imported on stderr (:func:`announce`)."""
+    return _ScriptParser(description=plain(doc), formatter_class=HelpFormatter)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, chart: str) -> None:
@@ -185,6 +222,28 @@ def chart(path: str | Path | None, *args: object, **kwargs: object) -> Callable[
     return None if path is None else functools.partial(plot_bars, path, *args, **kwargs)
 
 
+def chart_panels(path: str | Path | None, *args: object, **kwargs: object) -> Callable[[], None] | None:
+    """As :func:`chart`, for :func:`plot_panels` (one quantity per axis)."""
+    return None if path is None else functools.partial(plot_panels, path, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axis of :func:`plot_panels`: series of one quantity.
+
+    Attributes:
+        value_label: the axis title, saying which way is better (``"speedup (higher is better)"``).
+        series: legend name -> one value per row.
+        reference_line: a value to mark with a dashed line (the ideal, parity), or ``None``.
+        value_format: how each bar's value is written.
+    """
+
+    value_label: str
+    series: dict[str, Sequence[float | None]]
+    reference_line: float | None = 1.0
+    value_format: str = ".3f"
+
+
 def plot_bars(
     path: str | Path,
     title: str,
@@ -194,13 +253,12 @@ def plot_bars(
     reference_line: float | None = 1.0,
     value_format: str = ".3f",
 ) -> None:
-    """Save a horizontal grouped bar chart: one row per label, one bar per series, each bar
-    annotated with its value.
+    """Save a horizontal grouped bar chart of one quantity: one row per label, one bar per series,
+    each bar annotated with its value (:func:`plot_panels` with one :class:`Panel`).
 
-    With ``reference_line`` (e.g. 1.0 for a ratio: parity, the ideal) the bars start at that
-    value, drawn as a dashed line, so a bar's length and direction show how far a ratio is from
-    it; without, they start at 0. A ``None`` or NaN value draws no bar (its row says ``n/a``), nor
-    does an infinite one (written as ``inf``).
+    Bars start at 0, so their lengths compare; ``reference_line`` (e.g. 1.0 for a ratio: parity,
+    the ideal) is drawn as a dashed line across them. A ``None`` or NaN value draws no bar (its row
+    says ``n/a``), nor does an infinite one (written as ``inf``).
 
     Args:
         path: the image file; its suffix picks the format (``.png``, ``.svg``, ``.pdf``).
@@ -213,9 +271,57 @@ def plot_bars(
         SystemExit: when matplotlib is not installed.
         ValueError: when a series does not have one value per label.
     """
-    for name, values in series.items():
-        if len(values) != len(labels):
-            raise ValueError(f"plot_bars: series {name!r} has {len(values)} values for {len(labels)} labels")
+    plot_panels(path, title, labels, [Panel(value_label, series, reference_line, value_format)])
+
+
+def _draw_panel(ax, labels: Sequence[str], panel: Panel) -> None:
+    """Bars from 0 of every series of ``panel`` on ``ax``, values written at their ends."""
+    n, k = len(labels), max(1, len(panel.series))
+    bar = 0.8 / k
+    finite = [0.0] + ([panel.reference_line] if panel.reference_line is not None else [])
+    for j, (name, values) in enumerate(panel.series.items()):
+        vals = [math.nan if v is None else float(v) for v in values]
+        pos = [i - 0.4 + bar * (j + 0.5) for i in range(n)]
+        widths = [v if math.isfinite(v) else 0.0 for v in vals]
+        bars = ax.barh(pos, widths, height=bar, label=name)
+        texts = ["n/a" if math.isnan(v) else format(v, panel.value_format) for v in vals]
+        ax.bar_label(bars, labels=texts, padding=2, fontsize=7)
+        finite += [v for v in vals if math.isfinite(v)]
+    low, high = min(finite), max(finite)
+    span = (high - low) or 1.0
+    ax.set_xlim(low - (0.05 * span if low < 0 else 0.0), high + 0.15 * span)  # room for the value labels
+    ax.ticklabel_format(axis="x", useOffset=False)
+    if panel.reference_line is not None:
+        ax.axvline(panel.reference_line, color="0.3", linestyle="--", linewidth=1,
+                   label=f"{format(panel.reference_line, 'g')} (reference)")
+    ax.set_xlabel(panel.value_label)
+    ax.grid(axis="x", alpha=0.3)
+    if len(panel.series) > 1 or panel.reference_line is not None:
+        ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=min(len(panel.series) + 1, 4),
+                  frameon=False)
+
+
+def plot_panels(path: str | Path, title: str, labels: Sequence[str], panels: Sequence[Panel]) -> None:
+    """Save one horizontal bar chart per :class:`Panel`, side by side over the same rows: one
+    quantity per axis (a speedup, higher is better, never shares an axis with a memory ratio, lower
+    is better). Bars start at 0; each panel's reference line marks its ideal.
+
+    Args:
+        path: the image file; its suffix picks the format.
+        title: the figure's title.
+        labels: the rows, top to bottom, shared by every panel.
+        panels: the quantities, left to right.
+
+    Raises:
+        SystemExit: when matplotlib is not installed.
+        ValueError: no panel, or a series without one value per label.
+    """
+    if not panels:
+        raise ValueError("plot_panels: no panel to draw; pass at least one Panel")
+    for panel in panels:
+        for name, values in panel.series.items():
+            if len(values) != len(labels):
+                raise ValueError(f"plot_panels: series {name!r} has {len(values)} values for {len(labels)} labels")
     try:
         import matplotlib
     except ImportError:
@@ -223,35 +329,54 @@ def plot_bars(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = 0.0 if reference_line is None else reference_line
-    n, k = len(labels), max(1, len(series))
-    bar = 0.8 / k
-    width = max(8.0, 4.5 + 0.065 * max(map(len, labels), default=0))  # room for long row labels
-    fig, ax = plt.subplots(figsize=(width, 1.6 + n * (0.22 * k + 0.12)))
-    finite = [base]
-    for j, (name, values) in enumerate(series.items()):
-        vals = [math.nan if v is None else float(v) for v in values]
-        pos = [i - 0.4 + bar * (j + 0.5) for i in range(n)]
-        widths = [v - base if math.isfinite(v) else 0.0 for v in vals]
-        bars = ax.barh(pos, widths, height=bar, left=base, label=name)
-        texts = ["n/a" if math.isnan(v) else format(v, value_format) for v in vals]
-        ax.bar_label(bars, labels=texts, padding=2, fontsize=7)
-        finite += [v for v in vals if math.isfinite(v)]
-    low, high = min(finite), max(finite)
-    # Never zoom in below 5% of the values: a 1.00004 next to 1.0 must not look like a big gap.
-    span = max(high - low, 0.05 * max(abs(low), abs(high))) or 1.0
-    ax.set_xlim(low - 0.12 * span, high + 0.12 * span)
-    ax.ticklabel_format(axis="x", useOffset=False)
-    if reference_line is not None:
-        ax.axvline(reference_line, color="0.3", linestyle="--", linewidth=1)
-    ax.set_yticks(range(n), labels, fontsize=8)
-    ax.set_ylim(n - 0.5, -0.5)  # first label on top
-    ax.set_xlabel(value_label)
+    n, k = len(labels), max(max(1, len(p.series)) for p in panels)
+    label_room = 0.065 * max(map(len, labels), default=0)
+    width = max(8.0, 4.5 + label_room + 3.5 * (len(panels) - 1))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 1.9 + n * (0.22 * k + 0.12)), sharey=True,
+                             squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        _draw_panel(ax, labels, panel)
+    axes[0][0].set_yticks(range(n), labels, fontsize=8)
+    axes[0][0].set_ylim(n - 0.5, -0.5)  # first label on top
     fig.suptitle(textwrap.fill(title, int(width * 12)), fontsize=9)
-    ax.grid(axis="x", alpha=0.3)
-    if len(series) > 1:
-        ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=min(len(series), 4), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+
+def _is_first_rank() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def progress(prog: str, text: str) -> None:
+    """A progress line ``"<prog>: <text>"`` on stderr, on the first rank only (stdout keeps the
+    table and the JSON line)."""
+    if _is_first_rank():
+        print(f"{prog}: {text}", file=sys.stderr, flush=True)
+
+
+def progress_bar(items: Sequence, prog: str, what: str):
+    """``items``, with a tqdm bar on stderr on the first rank (the ``train`` extra), or one
+    :func:`progress` line per item without tqdm."""
+    if not _is_first_rank():
+        return iter(items)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _lines(items, prog, what)
+    return tqdm(items, desc=f"{prog}: {what}", file=sys.stderr, leave=False)
+
+
+def _lines(items: Sequence, prog: str, what: str):
+    for i, item in enumerate(items):
+        progress(prog, f"{what} {i + 1}/{len(items)}")
+        yield item

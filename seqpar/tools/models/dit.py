@@ -196,4 +196,8 @@ class VideoDiT(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         shift, scale = self.ada_out(F.silu(c)).chunk(2, dim=-1)
-        return self.out(_modulate(self.norm_out(x), shift, scale))
+        h = _modulate(self.norm_out(x), shift, scale)  # (B, S_local, C)
+        # nn.Linear on a 3-D input folds (B, S) into one dim and returns a *view* of its 2-D result.
+        # FSDP2 warns about a root module returning a view (an in-place op on it would drop its
+        # pre-backward hook); matmul + bias computes the same values into a fresh tensor.
+        return torch.matmul(h, self.out.weight.t()) + self.out.bias
