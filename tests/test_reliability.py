@@ -110,3 +110,35 @@ def _different_parameters():
 def test_different_parameters_raise_on_every_rank(pools):
     for msg in pools(2).run(_different_parameters):
         assert msg is not None and "the ranks pass different parameters" in msg and "rank 1 has 1 with 4" in msg
+
+
+# --- state: a closed state at every public entry (finding 11) ----------------------------------
+
+
+def _closed_state_entries():
+    state = ParallelState(2, 1)
+    state.close()
+    x = torch.zeros(1, 6, 2)
+    calls = {
+        "shard_positions": lambda: seqpar.shard_positions(6, state),
+        "shard": lambda: seqpar.shard(x, state),
+        "unshard": lambda: seqpar.unshard(x, state),
+        "shard_packed": lambda: seqpar.shard_packed(x[0], state, [2, 4]),
+        "shard_packed_positions": lambda: seqpar.shard_packed_positions([2, 4], state),
+        "global_loss": lambda: seqpar.training.global_loss(torch.zeros(()), state),
+        "all_reduce_gradients": lambda: all_reduce_gradients([], state),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_closed_state_refused_everywhere(pools):
+    for per_entry in pools(2).run(_closed_state_entries):
+        for name, msg in per_entry.items():
+            assert msg is not None and "was closed" in msg and msg.startswith(name), (name, msg)
