@@ -87,7 +87,7 @@ from ..attention import attention
 from ..comm import all_gather, exchange_ints
 from ..sdpa import local_sdpa, parallel_sdpa
 from ..state import ParallelState, require_state
-from .hooks import ContextHooks, gather_parts, split_part
+from .hooks import ContextHooks, gather_parts, refuse_empty_parts, split_part
 
 __all__ = ["ShardedAttention", "gather_parts", "parallelize", "split_part"]
 
@@ -192,6 +192,7 @@ def _split_tensor(x: Tensor, dims: tuple[int, int | None], state: ParallelState,
         return x  # as diffusers: another rank of tensor is left whole (Note [diffusers ...])
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{_WHERE}: {where}: split_dim={dim} is out of range for shape {tuple(x.shape)}")
+    refuse_empty_parts(x.shape[dim], state, _WHERE, f"{where} (shape {tuple(x.shape)}, split along dim {dim})")
     return split_part(x, state, dim % x.dim())
 
 

@@ -3,7 +3,8 @@
 - :class:`ContextHooks`: open a context manager (``seqpar.parallel_sdpa(state)``, ``local_sdpa()``)
   in a module's forward pre-hook and close it in an always-called forward hook;
 - :func:`split_part` / :func:`gather_parts`: this rank's contiguous part of a full tensor along a
-  dim (``split_sizes`` over the CP group) and the inverse all-gather, with partial gradients.
+  dim (``split_sizes`` over the CP group) and the inverse all-gather, with partial gradients;
+- :func:`refuse_empty_parts`: the check that every CP rank gets at least one token of a split.
 
 Used by :mod:`seqpar.integrations.diffusers` and :mod:`seqpar.integrations.timm`; imports neither
 library.
@@ -22,7 +23,7 @@ from ..comm import all_gather
 from ..placement.sizes import offsets, split_sizes
 from ..state import ParallelState
 
-__all__ = ["ContextHooks", "gather_parts", "split_part"]
+__all__ = ["ContextHooks", "gather_parts", "refuse_empty_parts", "split_part"]
 
 
 class ContextHooks:
@@ -77,3 +78,27 @@ def gather_parts(x: Tensor, state: ParallelState, dim: int) -> Tensor:
     if state.cp_size == 1:
         return x
     return all_gather(x, state.cp_group, dim)
+
+
+def refuse_empty_parts(length: int, state: ParallelState, where: str, what: str) -> None:
+    """Raise ``ValueError`` if splitting ``length`` tokens over the CP group leaves a rank without one.
+
+    A model's code on a rank with no token at all fails in ways seqpar cannot repair (a reshape of
+    zero elements with ``-1``, an index ``[-1]``), while the other ranks go on into a collective
+    and wait for it. The decision depends on the full length only, which every CP rank sees, so
+    every rank raises the same error before any of them runs the model on its part.
+
+    Args:
+        length: the number of tokens being split (the full tensor's size along the split dim).
+        state: the parallel state whose CP group splits them.
+        where: the message prefix (the integration).
+        what: what is being split (``"input 'hidden_states' of ''"``).
+    """
+    if state.cp_size > 1 and length < state.cp_size:
+        sizes = split_sizes(length, state.cp_size)
+        raise ValueError(
+            f"{where}: {what}: {length} tokens, fewer than the {state.cp_size} CP ranks (tokens per "
+            f"cp rank: {sizes}), so cp rank {sizes.index(0)} would run the model on no token, which "
+            f"the model's code does not support; use at least {state.cp_size} tokens, or a "
+            f"ParallelState whose cp_size is at most {length}"
+        )

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ..sdpa import parallel_sdpa
 from ..state import ParallelState, require_state
-from .hooks import ContextHooks, gather_parts, split_part
+from .hooks import ContextHooks, gather_parts, refuse_empty_parts, split_part
 
 __all__ = ["parallelize"]
 
@@ -87,6 +87,8 @@ def _first_block_hook(state: ParallelState, prefix: int, stochastic: list[nn.Mod
                 f"{_WHERE}: the first block got tokens of shape {tuple(x.shape)}; expected [B, N, C] with "
                 f"the {prefix} prefix tokens first"
             )
+        if prefix == 0:  # a rank with neither prefix nor patch tokens cannot run timm's attention
+            refuse_empty_parts(x.shape[1], state, _WHERE, "patch tokens (the model has no prefix token)")
         rope = kwargs.get("rope")
         if isinstance(rope, Tensor) and rope.shape[-2] != x.shape[1] - prefix:
             raise ValueError(
