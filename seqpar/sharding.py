@@ -40,8 +40,10 @@ def shard_positions(seq_len: int, state: ParallelState, device: torch.device | s
     """Global position of each local token, ``[S_local]`` int64 (e.g. ``position_ids`` for RoPE).
 
     Raises:
-        ValueError: if ``seq_len`` is negative or not an int.
+        ValueError: if ``seq_len`` is negative or not an int, or ``state`` is not a usable
+            ParallelState (e.g. closed: its ranks may no longer be this process's).
     """
+    require_state(state, "shard_positions")
     seq_len = as_int(seq_len, "seq_len", "shard_positions")
     pos = Placement.dense(seq_len, state.ring_size, state.ulysses_size).global_index(state.cp_rank)
     return pos.to(device) if device is not None else pos

@@ -13,9 +13,12 @@ Every group's members are ordered by their rank along that axis, so a collective
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import numbers
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,7 +59,7 @@ def _check_size(name: str, value: object) -> int:
 
 
 def _new_group(
-    ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGroup | None, local: bool,
+    ranks: list[int], parent_ranks: list[int], parent: dist.ProcessGroup | None, names: _GroupNames | None,
     timeout: timedelta | None, created: list,
 ):
     """A group over ``ranks`` (global ranks), reusing ``parent`` when it is the same set with the
@@ -64,19 +67,85 @@ def _new_group(
 
     With the default group as parent every rank takes part in every ``new_group`` call, which
     is torch's usual contract. With a sub-group as parent only its members call, so groups are
-    created with local synchronisation (torch then names them from the ranks and the number of
-    groups the process already has: the parent's members must have created the same number).
-    Groups this process belongs to are appended to ``created`` (for :meth:`ParallelState.close`).
+    created with local synchronisation, under the names ``names`` gives them (Note [Group
+    names]). Groups this process belongs to are appended to ``created`` (for
+    :meth:`ParallelState.close`).
     """
     if ranks == parent_ranks and timeout == group_timeout(parent):
         return parent
-    if local:
-        pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    if names is not None:
+        with names.naming(ranks):
+            pg = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
     else:
         pg = dist.new_group(ranks, timeout=timeout)
     if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
         created.append(pg)
     return pg
+
+
+class _GroupNames:
+    """Unique names for the groups one ``ParallelState`` creates with local synchronisation.
+
+    Note [Group names]
+    ~~~~~~~~~~~~~~~~~~
+    ``dist.new_group(ranks, use_local_synchronization=True)`` names the group after its ranks and
+    the number of groups the process holds, and the group's ranks rendezvous under that name in the
+    default group's store. After :meth:`ParallelState.close` destroys its groups, that number is
+    back where it was, so a new state over the same sub-group gives its groups the *destroyed*
+    groups' names; the store still holds their old rendezvous keys, and the new groups connect to
+    ranks that no longer listen (``Gloo connectFullMesh failed``, or one rank waiting forever).
+
+    So the groups of a state over a sub-group are named ``seqpar:<generation>:<index>:<ranks>``:
+    the generation is agreed by the parent group's members (the maximum of their per-process
+    counters, one all-reduce) and is new for every state built over any parent; the index is the
+    group's place in the construction order, which every member walks in full (also past groups
+    it is not in), so all members of a group name it alike. torch has no public argument for a
+    group's name: its name function is replaced for the one ``new_group`` call of this thread,
+    for exactly these ranks (torch's own name is used if that function is missing).
+    """
+
+    _generations = itertools.count()  # per process; the parent's members agree on the maximum
+
+    def __init__(self, parent: dist.ProcessGroup) -> None:
+        mine = torch.tensor([next(self._generations)], dtype=torch.long, device=_group_device(parent))
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=parent)
+        self.generation = int(mine.item())
+        while next(self._generations) < self.generation:  # no later state reuses this generation
+            pass
+        self.index = 0
+
+    @contextlib.contextmanager
+    def naming(self, ranks: list[int]):
+        """Name the group this thread creates over ``ranks`` while the context is open."""
+        c10d = dist.distributed_c10d
+        original = getattr(c10d, "_process_group_name", None)
+        key = f"seqpar:{self.generation}:{self.index}:{'_'.join(map(str, sorted(ranks)))}"
+        self.index += 1
+        if original is None:  # pragma: no cover - depends on the torch version
+            yield
+            return
+        thread = threading.get_ident()
+
+        def name(group_ranks, use_hashed_name):
+            if use_hashed_name and threading.get_ident() == thread and list(group_ranks) == sorted(ranks):
+                return hashlib.sha1(key.encode(), usedforsecurity=False).hexdigest()
+            return original(group_ranks, use_hashed_name)
+
+        c10d._process_group_name = name
+        try:
+            yield
+        finally:
+            c10d._process_group_name = original
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """A device ``group``'s collectives accept: the CPU if it has a CPU backend, else the current
+    CUDA device (NCCL)."""
+    try:
+        group._get_backend(torch.device("cpu"))
+        return torch.device("cpu")
+    except (RuntimeError, ValueError, AttributeError):
+        return torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -191,7 +260,6 @@ class ParallelState:
             )
         timeout = timeout if timeout is not None else group_timeout(parent)
         self.timeout = timeout
-        local = group_size(parent) != dist.get_world_size()
         world = group_size(parent)
         if world % cp_size != 0:
             raise ValueError(
@@ -209,6 +277,9 @@ class ParallelState:
 
         def g(dp: int, ring: int, uly: int) -> int:
             return parent_ranks[dp * cp_size + ring * ulysses_size + uly]
+
+        # A sub-group's members create groups on their own, under names of their own (Note [Group names]).
+        local = _GroupNames(parent) if world != dist.get_world_size() else None
 
         # Every rank creates every group in the same order (new_group is collective).
         for dp in range(dp_size):

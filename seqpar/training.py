@@ -10,7 +10,8 @@ over the CP group of the per-rank gradients. For a token-mean loss the share is
 
 where the denominator is global: one all-reduce of a count over the CP group
 (:func:`sharded_cross_entropy`, :func:`sharded_mean`). The value of ``L_c`` on its own is not the
-loss; :func:`global_loss` adds the shares up for logging.
+loss; :func:`global_loss` adds the shares up -- a collective (all-reduces over the CP and DP
+groups), so every rank calls it, also when only one rank prints the result.
 
 With data parallelism on top (``dp_size`` replicas of ``cp_size`` ranks, parameters identical on
 all ``dp_size * cp_size`` ranks), the objective is the mean over replicas,
@@ -245,13 +246,28 @@ def sharded_mean(values: Tensor, state: ParallelState) -> Tensor:
 
 
 def global_loss(share: Tensor, state: ParallelState) -> Tensor:
-    """The loss for logging: shares summed over CP, averaged over DP (detached, same on every rank).
+    """The loss of the step: shares summed over CP, averaged over DP (detached, same on every rank).
+
+    A **collective** over ``state.cp_group`` and ``state.dp_group`` (one all-reduce each): every
+    rank of the parent group must call it, in the same order as its other collectives. To print
+    it on one rank, call it on all and print on one::
+
+        loss = global_loss(share, state)        # every rank
+        if dist.get_rank() == 0:
+            print(loss.item())
+
+    Called under ``if rank == 0:`` it waits for the other ranks until the process group's timeout
+    (gloo: "Connection closed by peer" once they exit).
 
     Args:
         share: this rank's scalar loss share (e.g. from :func:`sharded_cross_entropy`).
+        state: the parallel state.
 
     Returns:
         Detached scalar tensor.
+
+    Raises:
+        ValueError: a bad ``state``.
     """
     require_state(state, "global_loss")
     value = share.detach().clone()
@@ -311,28 +327,75 @@ def wrap_ddp(model: nn.Module, state: ParallelState, **ddp_kwargs) -> nn.Module:
 def all_reduce_gradients(parameters: Iterable[nn.Parameter], state: ParallelState) -> None:
     """In place: every ``p.grad`` becomes its sum over CP and mean over DP (no DDP needed).
 
-    Call after ``backward`` and before the optimizer step; parameters without a gradient are
-    skipped (every rank must hold gradients for the same parameters).
+    Call after ``backward`` and before the optimizer step, on every rank of the parent group with
+    the same parameters (a collective). Every parameter that requires grad takes part, whether or
+    not this rank has a gradient for it: a missing gradient counts as zeros (a rank whose tokens
+    did not reach a parameter, e.g. sinks of heads it does not hold), so every rank reduces
+    the same buffers and ends with the same ``p.grad``. A parameter without a gradient on *every*
+    rank keeps ``p.grad = None``, as on one device.
 
     Raises:
-        ValueError: a bad ``state``.
+        ValueError: a bad ``state``; ranks passing different parameters (counts, sizes or dtypes;
+            checked with one small collective where ``seqpar.attention`` checks collectively,
+            i.e. on the CPU or with ``checks="always"``).
     """
     require_state(state, "all_reduce_gradients")
     if state.parent_group is None:
         return
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in parameters:
+        if p.requires_grad:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+    _check_same_parameters(groups, state)
+    for params in groups.values():  # one flat all-reduce per dtype/device
+        _reduce_group(params, state)
+
+
+def _reduce_group(params: list[nn.Parameter], state: ParallelState) -> None:
+    """All-reduce the gradients of ``params`` (one dtype and device) as one flat buffer.
+
+    The buffer is every gradient (zeros where ``p.grad is None``) followed by one flag per
+    parameter (1 where this rank has a gradient), so the same buffer size on every rank and,
+    after the sum, whether any rank had a gradient.
+    """
+    flags = torch.tensor([float(p.grad is not None) for p in params], dtype=params[0].dtype, device=params[0].device)
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    flat = all_reduce(torch.cat([*grads, flags]), state.parent_group)
+    body, flags = flat[: flat.numel() - len(params)], flat[flat.numel() - len(params):]
+    if state.dp_size > 1:
+        body /= state.dp_size
+    offset = 0
+    for p, had in zip(params, flags.tolist()):
+        part = body[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
         if p.grad is not None:
-            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in by_dtype.values():  # one flat all-reduce per dtype/device
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat = all_reduce(flat, state.parent_group)
-        if state.dp_size > 1:
-            flat /= state.dp_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            p.grad.copy_(part)
+        elif had > 0:
+            p.grad = part.clone()
+
+
+def _check_same_parameters(groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]], state: ParallelState) -> None:
+    """Raise ``ValueError`` on every rank if the ranks' parameters (count, elements, dtype/shape
+    fingerprint) differ, instead of all-reducing buffers of different sizes (a gloo abort)."""
+    params = [p for ps in groups.values() for p in ps]
+    device = params[0].device if params else torch.device("cpu")
+    if not collective_checks(state, device, lengths_known=True) or state.parent_group is None:
+        return
+    shapes = [d for p in params for d in (_DTYPE_CODES.get(p.dtype, 0), p.dim(), *p.shape)]
+    fingerprint = sum((i + 1) * 2654435761 * v for i, v in enumerate(shapes)) % (1 << 61)
+    mine = [len(params), sum(p.numel() for p in params), fingerprint]
+    rows = exchange_ints(mine, state.parent_group, device)
+    bad = [r for r, row in enumerate(rows) if row != rows[0]]
+    if bad:
+        raise ValueError(
+            f"all_reduce_gradients: the ranks pass different parameters: rank 0 of the parent group has "
+            f"{rows[0][0]} parameters requiring grad with {rows[0][1]} elements, rank {bad[0]} has "
+            f"{rows[bad[0]][0]} with {rows[bad[0]][1]} (or other shapes or dtypes); pass the same "
+            "model's parameters on every rank"
+        )
+
+
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
 def _mesh_device_type(model: nn.Module) -> str:
@@ -424,4 +487,18 @@ def fully_shard_cp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(float(state.dp_size))
             module.set_force_sum_reduction_for_comms(True)
+            _reduce_unused_parameters(module)
     return model
+
+
+def _reduce_unused_parameters(module: nn.Module) -> None:
+    """Make FSDP reduce-scatter zeros for parameters without a gradient on this rank.
+
+    FSDP2 reduce-scatters only the parameters that have a gradient; a parameter that one CP rank's
+    tokens did not reach (sinks of heads that rank does not hold) would make the ranks reduce
+    buffers of different sizes (a gloo abort, an NCCL hang). A torch whose FSDP2 lacks
+    ``set_reduce_scatter_unused_params`` keeps that behaviour.
+    """
+    setter = getattr(module, "set_reduce_scatter_unused_params", None)
+    if setter is not None:
+        setter(True, recurse=False)

@@ -35,7 +35,7 @@ def _randomize(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def _flux():
+def _flux(S: int = 15, T: int = 7):
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel(
@@ -43,7 +43,6 @@ def _flux():
         num_attention_heads=4, joint_attention_dim=12, pooled_projection_dim=6, axes_dims_rope=(2, 2, 4),
     )
     g = torch.Generator().manual_seed(1)
-    S, T = 15, 7
     inputs = dict(
         hidden_states=torch.randn(2, S, 8, generator=g), encoder_hidden_states=torch.randn(2, T, 12, generator=g),
         pooled_projections=torch.randn(2, 6, generator=g), timestep=torch.tensor([0.3, 0.7]),
@@ -89,7 +88,7 @@ def _ltx():
     return model, inputs, None
 
 
-def _qwenimage():
+def _qwenimage(image: tuple[int, int, int] = (1, 3, 5), T: int = 7):
     from diffusers import QwenImageTransformer2DModel
 
     model = QwenImageTransformer2DModel(
@@ -97,11 +96,12 @@ def _qwenimage():
         joint_attention_dim=12, axes_dims_rope=(2, 2, 4),
     )
     g = torch.Generator().manual_seed(4)
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[0, 5:] = 0  # padded text: QwenImage builds a joint key mask from it
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, T - 2:] = 0  # padded text: QwenImage builds a joint key mask from it
+    S = image[0] * image[1] * image[2]
     inputs = dict(
-        hidden_states=torch.randn(2, 15, 16, generator=g), encoder_hidden_states=torch.randn(2, 7, 12, generator=g),
-        encoder_hidden_states_mask=mask, timestep=torch.tensor([0.3, 0.7]), img_shapes=[[(1, 3, 5)]] * 2,
+        hidden_states=torch.randn(2, S, 16, generator=g), encoder_hidden_states=torch.randn(2, T, 12, generator=g),
+        encoder_hidden_states_mask=mask, timestep=torch.tensor([0.3, 0.7]), img_shapes=[[image]] * 2,
     )
     return model, inputs, None
 
@@ -235,6 +235,49 @@ def test_families_match_one_device(pools, world):
             )
         assert n_grads > 10, f"{family}: only {n_grads} gradients compared"
     assert not failures, "\n".join(failures)
+
+
+# --- sequences shorter than the CP group (issue #19, finding 9) ------------------------------------
+
+# (family, builder arguments): 3 image tokens (and 3 or 7 text tokens) over 4 ranks left a rank
+# without image tokens; diffusers' code failed there while the others waited in a collective.
+SHORT = {
+    "flux 3+3": ("flux", dict(S=3, T=3)),
+    "flux 3+7": ("flux", dict(S=3, T=7)),
+    "flux 4+3": ("flux", dict(S=4, T=3)),  # enough image tokens, too few text tokens
+    "qwenimage 3+7": ("qwenimage", dict(image=(1, 1, 3), T=7)),
+    "qwenimage 1x4+7": ("qwenimage", dict(image=(1, 1, 4), T=7)),  # one token per rank: exact
+    "flux 4+4": ("flux", dict(S=4, T=4)),  # one token per rank: exact
+}
+
+
+def _short_sequences(layouts):
+    """Per (case, R, U): the output error against one device, or the error message."""
+    out = {}
+    for case, (family, kwargs) in SHORT.items():
+        for R, U in layouts:
+            model, inputs, _ = {"flux": _flux, "qwenimage": _qwenimage}[family](**kwargs)
+            _randomize(model)
+            with torch.no_grad():
+                want = model(**inputs, return_dict=False)[0]
+                with seqpar.ParallelState(R, U) as state:
+                    parallelize(model, state)
+                    try:
+                        out[(case, R, U)] = float((model(**inputs, return_dict=False)[0] - want).abs().max())
+                    except ValueError as e:
+                        out[(case, R, U)] = str(e)
+    return out
+
+
+def test_sequences_shorter_than_the_cp_group(pools):
+    per_rank = pools(4).run(_short_sequences, [(2, 2), (1, 4), (4, 1)])
+    assert all(r == per_rank[0] for r in per_rank), "CP ranks disagree (the same error must reach every rank)"
+    for (case, R, U), got in per_rank[0].items():
+        if case in ("flux 4+4", "qwenimage 1x4+7"):
+            assert isinstance(got, float) and got < ATOL, (case, R, U, got)
+        else:
+            assert isinstance(got, str) and "tokens, fewer than the 4 CP ranks" in got, (case, R, U, got)
+            assert "cp rank 3 would run the model on no token" in got, got
 
 
 # --- single-process checks ------------------------------------------------------------------------

@@ -89,3 +89,51 @@ def test_subgroup_parent():
 
     with DistPool(8) as pool:
         assert pool.run(_subgroup_parent) == [2.0] * 8
+
+
+def _recreate_over_subgroups(rounds):
+    """States over sub-groups built, used and closed again and again, with timeouts that differ
+    from the sub-group's (so the state creates its own groups), the halves building different
+    numbers of states, and the parent group itself destroyed and made again in between."""
+    from datetime import timedelta
+
+    rank = dist.get_rank()
+    sums = []
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for i in range(rounds):
+        parent = halves[rank // 2]
+        extra = 1 + (rank // 2) * (i % 2)  # the second half builds one more state every other round
+        for j in range(extra):
+            R, U = ((2, 1), (1, 2))[(i + j) % 2]
+            with ParallelState(R, U, group=parent, timeout=timedelta(seconds=20 + i)) as s:
+                t = torch.ones(1)
+                for pg in (s.cp_group, s.ring_group, s.ulysses_group, s.dp_group):
+                    dist.all_reduce(t, group=pg)
+                sums.append(t.item())
+        with ParallelState(2, 1, group=parent) as s:  # the sub-group's own timeout: cp group is the parent
+            t = torch.ones(1)
+            dist.all_reduce(t, group=s.ring_group)
+            sums.append(t.item())
+        if i == rounds // 2:  # a new parent over the same ranks
+            dist.destroy_process_group(halves[rank // 2])
+            halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    with ParallelState(2, 2) as s:  # the default group still makes states alongside
+        t = torch.ones(1)
+        dist.all_reduce(t, group=s.cp_group)
+        sums.append(t.item())
+    return sums
+
+
+def test_states_recreated_over_subgroups_after_close():
+    # Its own pool and a short timeout: a reused group name made a rank wait for a dead peer.
+    from seqpar.testing import DistPool
+
+    with DistPool(4, timeout_s=60) as pool:
+        per_rank = pool.run(_recreate_over_subgroups, 4)
+    for rank, sums in enumerate(per_rank):
+        # Each own-timeout state: 1 -> 2 over cp, x2 over its size-2 ring or Ulysses group = 4;
+        # each parent-timeout state: 2 over its ring; the default-group state: 4 over cp.
+        want = []
+        for i in range(4):
+            want += [4.0] * (1 + (rank // 2) * (i % 2)) + [2.0]
+        assert sums == [*want, 4.0], (rank, sums)

@@ -138,6 +138,74 @@ def test_models_match_one_device(pools, world):
     assert not failures, "\n".join(failures)
 
 
+# --- fewer patches than CP ranks (issue #19, finding 9) ---------------------------------------------
+
+
+def _few_patches(kind: str, patches: int):
+    """A ViT / EVA on a 4 x (4 * patches) image: ``patches`` patch tokens behind its prefix tokens."""
+    from timm.models.eva import Eva
+    from timm.models.vision_transformer import VisionTransformer
+
+    size = (4, 4 * patches)
+    if kind == "vit-avg":  # no prefix token: a rank may hold no token at all
+        return VisionTransformer(img_size=size, patch_size=4, embed_dim=24, depth=2, num_heads=4, num_classes=5,
+                                 class_token=False, global_pool="avg"), size
+    if kind == "vit-reg":
+        return VisionTransformer(img_size=size, patch_size=4, embed_dim=24, depth=2, num_heads=4, num_classes=5,
+                                 reg_tokens=2), size
+    return Eva(img_size=size, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5, swiglu_mlp=True,
+               use_rot_pos_emb=True, ref_feat_shape=(1, patches), global_pool="token"), size
+
+
+def _few_patches_cases(cases):
+    """Per (kind, patches): (output error, summed-gradient error) against one device, or the error."""
+    import torch.distributed as dist
+
+    out = {}
+    for kind, patches in cases:
+        results = []
+        for state in (None, seqpar.ParallelState(2, 2)):
+            torch.manual_seed(0)
+            model, (h, w) = _few_patches(kind, patches)
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            images = torch.randn(2, 3, h, w, generator=g)
+            if state is not None:
+                parallelize(model, state)
+            try:
+                logits = model(images)
+            except ValueError as e:
+                results.append(str(e))
+                state.close()
+                break
+            (logits.sum() / (1 if state is None else state.cp_size)).backward()
+            grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+            if state is not None:
+                dist.all_reduce(grads, group=state.cp_group)
+                state.close()
+            results.append((logits.detach(), grads))
+        if isinstance(results[-1], str):
+            out[(kind, patches)] = results[-1]
+        else:
+            (want, want_g), (got, got_g) = results
+            out[(kind, patches)] = (float((got - want).abs().max()), float((got_g - want_g).abs().max()))
+    return out
+
+
+def test_fewer_patches_than_cp_ranks(pools):
+    cases = [("vit-avg", 3), ("vit-avg", 1), ("vit-avg", 4), ("vit-reg", 3), ("vit-reg", 1), ("eva", 3)]
+    per_rank = pools(4).run(_few_patches_cases, cases)
+    for rank, results in enumerate(per_rank):
+        for (kind, patches), got in results.items():
+            if kind == "vit-avg" and patches < 4:  # a rank with no token at all: refused on every rank
+                assert isinstance(got, str) and f"{patches} tokens, fewer than the 4 CP ranks" in got, (rank, got)
+                assert got == per_rank[0][(kind, patches)], "every rank raises the same error"
+            else:  # replicated prefix tokens keep every rank busy: exact
+                assert not isinstance(got, str) and got[0] < ATOL and got[1] < 1e-3, (rank, kind, patches, got)
+
+
 def test_one_rank_state_is_the_plain_model():
     ref_out, ref_grads = _forward_backward("eva02", None)
     out, grads = _forward_backward("eva02", seqpar.ParallelState())

@@ -72,7 +72,6 @@ Causal calls, dropout and ``return_lse`` are refused.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
@@ -86,11 +85,11 @@ from torch import Tensor, nn
 
 from ..attention import attention
 from ..comm import all_gather, exchange_ints
-from ..placement.sizes import offsets, split_sizes
 from ..sdpa import local_sdpa, parallel_sdpa
 from ..state import ParallelState, require_state
+from .hooks import ContextHooks, gather_parts, refuse_empty_parts, split_part
 
-__all__ = ["ShardedAttention", "parallelize"]
+__all__ = ["ShardedAttention", "gather_parts", "parallelize", "split_part"]
 
 _WHERE = "seqpar.integrations.diffusers"
 # Attribute set on a model by parallelize (its hooks), so that a second call is refused.
@@ -98,26 +97,6 @@ _APPLIED = "_seqpar_context_parallel"
 
 
 # --- splitting and gathering ----------------------------------------------------------------------
-
-
-def split_part(x: Tensor, state: ParallelState, dim: int) -> Tensor:
-    """This rank's contiguous part of ``x`` along ``dim`` (``split_sizes`` over the CP group).
-
-    Backward puts this rank's gradient into zeros (a ``narrow``; no communication), so per-rank
-    gradients of ``x`` sum over the CP group to its gradient.
-    """
-    sizes = split_sizes(x.shape[dim], state.cp_size)
-    return x.narrow(dim, offsets(sizes)[state.cp_rank], sizes[state.cp_rank])
-
-
-def gather_parts(x: Tensor, state: ParallelState, dim: int) -> Tensor:
-    """All CP ranks' parts of ``x`` along ``dim``, in ``cp_rank`` order (any part sizes).
-
-    Backward reduce-scatters: this rank's part of the gradient summed over the CP group.
-    """
-    if state.cp_size == 1:
-        return x
-    return all_gather(x, state.cp_group, dim)
 
 
 @dataclass(frozen=True)
@@ -213,6 +192,7 @@ def _split_tensor(x: Tensor, dims: tuple[int, int | None], state: ParallelState,
         return x  # as diffusers: another rank of tensor is left whole (Note [diffusers ...])
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{_WHERE}: {where}: split_dim={dim} is out of range for shape {tuple(x.shape)}")
+    refuse_empty_parts(x.shape[dim], state, _WHERE, f"{where} (shape {tuple(x.shape)}, split along dim {dim})")
     return split_part(x, state, dim % x.dim())
 
 
@@ -466,33 +446,6 @@ def _check_backend(processor: object) -> None:
         )
 
 
-class _ContextHooks:
-    """Open a context manager in a forward pre-hook and close it in an always-called forward hook."""
-
-    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]) -> None:
-        self._make = make
-        self._open = threading.local()
-
-    def enter(self, module: nn.Module, args: tuple) -> None:
-        cm = self._make()
-        cm.__enter__()
-        stack = getattr(self._open, "stack", None)
-        if stack is None:
-            stack = self._open.stack = []
-        stack.append(cm)
-
-    def exit(self, module: nn.Module, args: tuple, output: object) -> None:
-        stack = getattr(self._open, "stack", None)
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
-    def register(self, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        return [
-            module.register_forward_pre_hook(self.enter),
-            module.register_forward_hook(self.exit, always_call=True),
-        ]
-
-
 def _guard_hook(records: list[tuple[nn.Module, object]]) -> Callable:
     """Model pre-hook: the processors set up by parallelize are still in place and usable."""
 
@@ -590,8 +543,8 @@ def parallelize(
 
     _install_dispatch()
     marker = ShardedAttention(state, backend)
-    sharded_sdpa = _ContextHooks(lambda: parallel_sdpa(state, backend=backend))
-    local = _ContextHooks(local_sdpa)
+    sharded_sdpa = ContextHooks(lambda: parallel_sdpa(state, backend=backend))
+    local = ContextHooks(local_sdpa)
     handles: list[torch.utils.hooks.RemovableHandle] = []
     records = []
     for module in attn_modules:

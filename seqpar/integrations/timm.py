@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ..sdpa import parallel_sdpa
 from ..state import ParallelState, require_state
-from .diffusers import _ContextHooks, gather_parts, split_part
+from .hooks import ContextHooks, gather_parts, refuse_empty_parts, split_part
 
 __all__ = ["parallelize"]
 
@@ -87,6 +87,8 @@ def _first_block_hook(state: ParallelState, prefix: int, stochastic: list[nn.Mod
                 f"{_WHERE}: the first block got tokens of shape {tuple(x.shape)}; expected [B, N, C] with "
                 f"the {prefix} prefix tokens first"
             )
+        if prefix == 0:  # a rank with neither prefix nor patch tokens cannot run timm's attention
+            refuse_empty_parts(x.shape[1], state, _WHERE, "patch tokens (the model has no prefix token)")
         rope = kwargs.get("rope")
         if isinstance(rope, Tensor) and rope.shape[-2] != x.shape[1] - prefix:
             raise ValueError(
@@ -163,7 +165,7 @@ def parallelize(model: nn.Module, state: ParallelState, *, backend: str = "auto"
     stochastic = [m for m in model.modules() if type(m).__name__ in _STOCHASTIC]
 
     handles = [blocks[0].register_forward_pre_hook(_first_block_hook(state, prefix, stochastic), with_kwargs=True)]
-    context = _ContextHooks(lambda: parallel_sdpa(state, backend=backend, replicated_prefix=prefix))
+    context = ContextHooks(lambda: parallel_sdpa(state, backend=backend, replicated_prefix=prefix))
     for block in blocks:
         handles.append(block.register_forward_pre_hook(_rope_hook(state), with_kwargs=True))
         handles += context.register(block)
