@@ -162,7 +162,7 @@ class ParallelState:
             group's timeout (what ``init_process_group(timeout=...)`` set). A group with the
             parent's ranks is the parent itself unless the timeouts differ.
         checks: when attention calls check that every CP rank passes matching shards and
-            options (Note [Global length] in ``seqpar.attention``): ``"auto"`` with a collective
+            options (Note [Global length] in ``seqpar.prepare``): ``"auto"`` with a collective
             whenever that costs no host synchronisation -- ``seq_len=None``, or tensors on the
             CPU -- and only local checks for accelerator tensors with ``seq_len`` given;
             ``"always"`` on every call; ``"never"`` only when ``seq_len`` is unknown. With
