@@ -204,7 +204,7 @@ def build_call(
 
 
 _REFUSED = 2  # the problem code of a rank that refuses the call (refuse_collectively)
-_DENSE_SIGNATURE = 17  # ints in the signature of a dense call (see prepare_dense)
+_DENSE_SIGNATURE = 17  # ints in the signature of a dense call (see prepare_dense); shorter ones are padded
 
 
 def refuse_collectively(state: ParallelState, device: torch.device, seq_len: int | None, error: Exception) -> None:
@@ -240,7 +240,12 @@ def _exchange_lengths(
     """Every CP rank's ``local`` length, after checking that all ranks share ``signature()`` and
     that none reported a ``problem`` (nonzero; ``expected`` says what was expected). Every rank
     raises the same ``ValueError``."""
-    rows = exchange_ints([local, problem, *signature()], state.cp_group, device)
+    sig = signature()
+    if len(sig) > _DENSE_SIGNATURE:
+        raise RuntimeError(f"seqpar internal error: a call signature has {len(sig)} ints, more than {_DENSE_SIGNATURE}")
+    # Every exchange sends rows of one length (refuse_collectively's too), whatever the call.
+    sig = [*sig, *([-1] * (_DENSE_SIGNATURE - len(sig)))]
+    rows = exchange_ints([local, problem, *sig], state.cp_group, device)
     refused = [c for c, row in enumerate(rows) if row[1] == _REFUSED]
     if refused:
         raise ValueError(
@@ -339,8 +344,6 @@ def prepare_dense(
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
         ]
-        if len(sig) != _DENSE_SIGNATURE:  # refuse_collectively sends rows of this length
-            raise RuntimeError(f"seqpar internal error: a dense signature has {len(sig)} ints, not {_DENSE_SIGNATURE}")
         return sig
 
     names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, seq_len)"

@@ -215,3 +215,28 @@ def test_cu_seqlens_passed_as_seq_lens_is_named():
         seqpar.varlen_attention(q, q, q, state, [0, 3, 8])
     with pytest.raises(ValueError, match=r"look like cumulative offsets"):
         seqpar.varlen_attention(q, q, q, state, torch.tensor([0, 3, 8], dtype=torch.int32))
+
+
+def _rank_refusal_next_to_varlen(_: None) -> str:
+    """Rank 0 refuses (an integration's one-rank check) while rank 1 enters varlen_attention."""
+    from seqpar.attention import refuse_collectively
+
+    state = ParallelState(ring_size=1, ulysses_size=2)
+    try:
+        if dist.get_rank() == 0:
+            refuse_collectively(state, torch.device("cpu"), None, ValueError("rank 0: its own reason"))
+        q = torch.randn(2, 2, 8)
+        seqpar.varlen_attention(q, q, q, state, [4], causal=True)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        state.close()
+
+
+def test_a_refusal_next_to_a_packed_call_raises_on_every_rank(pools):
+    """Every exchange sends rows of one length, so a refusal pairs with a packed call's exchange
+    (their lengths once differed: a gloo abort instead of an error)."""
+    own, other = pools(2).run(_rank_refusal_next_to_varlen, None)
+    assert own == "rank 0: its own reason"
+    assert "cp rank 0 refused this call" in other, other
