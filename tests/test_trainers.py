@@ -1,0 +1,183 @@
+"""seqpar.trainers: framework recipes (HF Trainer, accelerate) against one device, 3 optimizer steps.
+
+Each case runs in the session's 2-rank gloo pool: the framework runs with cp_size 2 (ring 2) on
+both ranks, and every rank also runs the framework's stock single-process path on the whole batch
+(the reference). Losses and parameters after 3 steps must agree within 1e-5 (fp32). The optimizer
+is SGD without clipping: Adam, and clipping, would hide a gradient that is cp_size times too small
+(measured: without the loss scale the parameters differ by 3e-2 after 3 steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar import ParallelState
+from seqpar.trainers import causal_lm_loss_share, dp_sampler, loss_scale
+
+pytestmark = pytest.mark.slow  # multi-rank framework runs: not in the quick subset
+
+VOCAB, SEQ, BATCH, STEPS = 61, 21, 2, 3
+
+
+def _model(attn_implementation: str):
+    from transformers import LlamaForCausalLM
+
+    from seqpar.tools.models import tiny_llama_config
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    return LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    """Set environment variables for the block, then restore them (the pool's ranks are shared)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _params(model) -> dict:
+    model = getattr(model, "module", model)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# --- HF Trainer -----------------------------------------------------------------------------------
+
+
+def _trainer_args(tmp: str, batch: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=batch, max_steps=STEPS, learning_rate=0.5, optim="sgd",
+        weight_decay=0.1, max_grad_norm=0.0, use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=1, seed=0, dataloader_drop_last=False, disable_tqdm=True,
+    )
+
+
+def _hf_trainer(tmp: str):
+    from transformers import Trainer, default_data_collator
+
+    from seqpar.integrations.transformers import register
+    from seqpar.trainers import SeqparTrainer
+
+    data = _dataset()
+    losses: dict[str, list[float]] = {"ref": [], "cp": []}
+
+    class Reference(Trainer):  # stock Trainer, one process, the whole batch, sequential order
+        def _get_train_sampler(self, dataset=None):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, **kwargs):
+            loss = super().compute_loss(model, inputs, **kwargs)
+            losses["ref"].append(loss.item())
+            return loss
+
+    class Recorded(SeqparTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            loss = super().compute_loss(model, inputs, **kwargs)
+            total = loss.detach().clone()  # the Trainer's logged loss: the mean over all ranks
+            dist.all_reduce(total)
+            losses["cp"].append(total.item() / dist.get_world_size())
+            return loss
+
+    _reset_accelerate()  # no LOCAL_RANK / WORLD_SIZE: accelerate sees one process
+    ref = _model("eager")
+    Reference(model=ref, args=_trainer_args(os.path.join(tmp, "ref"), BATCH), train_dataset=data,
+              data_collator=default_data_collator).train()
+    _reset_accelerate()
+
+    state = ParallelState(ring_size=2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    try:
+        with _env(**env):
+            model = _model(register(state))
+            trainer = Recorded(model=model, args=_trainer_args(os.path.join(tmp, "cp"), BATCH),
+                               train_dataset=data, data_collator=default_data_collator, state=state, shuffle=False)
+            trainer.train()
+            ddp = trainer.model_wrapped
+    finally:
+        _reset_accelerate()
+    assert len(losses["cp"]) == len(losses["ref"]) == STEPS, losses
+    return (
+        max(abs(a - b) for a, b in zip(losses["cp"], losses["ref"])),
+        _max_diff(_params(model), _params(ref)),
+        type(ddp).__name__,
+    )
+
+
+def test_hf_trainer_matches_one_device(pools, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install seqpar[trainers])")
+    results = pools(2).run(_hf_trainer, str(tmp_path))
+    for loss_diff, param_diff, wrapper in results:
+        assert wrapper == "DistributedDataParallel"  # the Trainer's own DDP over both ranks
+        assert loss_diff < 1e-5 and param_diff < 1e-5, results
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def test_loss_scale_and_errors():
+    state = ParallelState()
+    assert loss_scale(state) == 1 and loss_scale(state, "dp") == 1 and loss_scale(state, "none") == 1
+    with pytest.raises(ValueError, match="must be one of"):
+        loss_scale(state, "world")
+    with pytest.raises(ValueError, match="has no len"):
+        dp_sampler(iter(range(3)), state)
+    assert list(dp_sampler(list(range(5)), state, shuffle=False)) == [0, 1, 2, 3, 4]
+    model = torch.nn.Identity()
+    with pytest.raises(ValueError, match=r"input_ids must be a \[B, S\] tensor"):
+        causal_lm_loss_share(model, {"input_ids": torch.zeros(5, dtype=torch.long)}, state)
+    with pytest.raises(ValueError, match=r"labels \(2, 4\) must have input_ids' shape \(2, 5\)"):
+        causal_lm_loss_share(model, {"input_ids": torch.zeros(2, 5, dtype=torch.long),
+                                     "labels": torch.zeros(2, 4, dtype=torch.long)}, state)
+    with pytest.raises(ValueError, match="3 padded positions of 10"):
+        mask = torch.ones(2, 5, dtype=torch.long)
+        mask[0, :3] = 0
+        causal_lm_loss_share(model, {"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": mask},
+                             state)
+
+
+def _dp_sampler_cases():
+    state = ParallelState(ring_size=1, ulysses_size=1)  # 2 ranks: dp_size 2
+    data = list(range(7))
+    mine = list(dp_sampler(data, state, shuffle=True, seed=3))
+    cp_state = ParallelState(ring_size=2)  # 2 ranks: one CP group, dp_size 1
+    return mine, list(dp_sampler(data, cp_state, shuffle=True, seed=3))
+
+
+def test_dp_sampler_splits_over_dp_only(pools):
+    (a_dp, a_cp), (b_dp, b_cp) = pools(2).run(_dp_sampler_cases)
+    assert a_cp == b_cp and sorted(a_cp) == list(range(7))  # CP ranks read the same samples
+    assert len(a_dp) == len(b_dp) == 4 and set(a_dp) | set(b_dp) == set(range(7))  # DP replicas split
