@@ -145,6 +145,74 @@ def test_hf_trainer_matches_one_device(pools, tmp_path):
         assert loss_diff < 1e-5 and param_diff < 1e-5, results
 
 
+# --- accelerate (a manual loop) -------------------------------------------------------------------
+
+
+def _one_device_sgd(lr: float) -> tuple[list[float], dict]:
+    """The single-device reference: the model's own loss (it shifts labels itself), plain SGD."""
+    model = _model("eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data = _dataset()
+    losses = []
+    for step in range(STEPS):
+        rows = data[step * BATCH : (step + 1) * BATCH]
+        ids = torch.stack([r["input_ids"] for r in rows])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, _params(model)
+
+
+def _accelerate(tmp: str):
+    from accelerate import Accelerator
+    from transformers import default_data_collator
+
+    from seqpar.integrations.transformers import register
+    from seqpar.training import global_loss
+
+    ref_losses, ref_params = _one_device_sgd(0.5)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    _reset_accelerate()
+    try:
+        with _env(**env):
+            accelerator = Accelerator(cpu=True)
+            state = ParallelState(ring_size=2)
+            model = _model(register(state))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            data = _dataset()
+            loader = torch.utils.data.DataLoader(
+                data, batch_size=BATCH, sampler=dp_sampler(data, state, shuffle=False),
+                collate_fn=default_data_collator,
+            )
+            model, optimizer = accelerator.prepare(model, optimizer)  # not the loader
+            losses = []
+            for batch in loader:
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                share = causal_lm_loss_share(model, batch, state)
+                accelerator.backward(share * loss_scale(state, "all"))
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(global_loss(share, state).item())
+            wrapper = type(model).__name__
+    finally:
+        _reset_accelerate()
+    assert len(losses) == STEPS, losses
+    return max(abs(a - b) for a, b in zip(losses, ref_losses)), _max_diff(_params(model), ref_params), wrapper
+
+
+def test_accelerate_matches_one_device(pools, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="pip install seqpar[trainers]")
+    results = pools(2).run(_accelerate, str(tmp_path))
+    for loss_diff, param_diff, wrapper in results:
+        assert wrapper == "DistributedDataParallel"  # accelerate's own DDP over both ranks
+        assert loss_diff < 1e-5 and param_diff < 1e-5, results
+
+
 # --- helpers --------------------------------------------------------------------------------------
 
 
