@@ -1,4 +1,4 @@
-"""seqpar.trainers: framework recipes (HF Trainer, accelerate) against one device, 3 optimizer steps.
+"""seqpar.trainers: framework recipes (HF Trainer, accelerate, Lightning) vs one device, 3 optimizer steps.
 
 Each case runs in the session's 2-rank gloo pool: the framework runs with cp_size 2 (ring 2) on
 both ranks, and every rank also runs the framework's stock single-process path on the whole batch
@@ -210,6 +210,66 @@ def test_accelerate_matches_one_device(pools, tmp_path):
     results = pools(2).run(_accelerate, str(tmp_path))
     for loss_diff, param_diff, wrapper in results:
         assert wrapper == "DistributedDataParallel"  # accelerate's own DDP over both ranks
+        assert loss_diff < 1e-5 and param_diff < 1e-5, results
+
+
+# --- Lightning (DDP strategy) --------------------------------------------------------------------
+
+
+def _lightning(tmp: str):
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from transformers import default_data_collator
+
+    from seqpar.integrations.transformers import register
+    from seqpar.training import global_loss
+
+    ref_losses, ref_params = _one_device_sgd(0.5)
+    losses: list[float] = []
+    wrappers: set[str] = set()
+
+    class CausalLM(L.LightningModule):
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+            self.model = _model(register(state))
+            self.data = _dataset()
+
+        def training_step(self, batch, batch_idx):
+            share = causal_lm_loss_share(self.model, batch, self.state)
+            losses.append(global_loss(share, self.state).item())
+            wrappers.add(type(self.trainer.strategy.model).__name__)
+            return share * loss_scale(self.state, "all")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.data, batch_size=BATCH, collate_fn=default_data_collator,
+                                               sampler=dp_sampler(self.data, self.state, shuffle=False))
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    with _env(**env):  # as under torchrun: Lightning finds the process group already initialised
+        state = ParallelState(ring_size=2)
+        module = CausalLM(state)
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(process_group_backend="gloo"),
+                            use_distributed_sampler=False, max_steps=STEPS, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp)
+        trainer.fit(module)
+    (wrapper,) = wrappers
+    assert len(losses) == STEPS, losses
+    return max(abs(a - b) for a, b in zip(losses, ref_losses)), _max_diff(_params(module.model), ref_params), wrapper
+
+
+def test_lightning_matches_one_device(pools, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning", reason="pip install seqpar[trainers]")
+    results = pools(2).run(_lightning, str(tmp_path))
+    for loss_diff, param_diff, wrapper in results:
+        assert wrapper == "DistributedDataParallel"  # Lightning's own DDP over both ranks
         assert loss_diff < 1e-5 and param_diff < 1e-5, results
 
 
