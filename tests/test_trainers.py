@@ -84,7 +84,7 @@ def _trainer_args(tmp: str, batch: int):
     )
 
 
-def _hf_trainer(tmp: str):
+def _hf_trainer(tmp: str, ring_size: int = 2):
     from transformers import Trainer, default_data_collator
 
     from seqpar.integrations.transformers import register
@@ -116,14 +116,14 @@ def _hf_trainer(tmp: str):
               data_collator=default_data_collator).train()
     _reset_accelerate()
 
-    state = ParallelState(ring_size=2)
+    state = ParallelState(ring_size=ring_size)  # ring 2: cp 2; ring 1: dp 2 (one sequence per replica)
     rank, world = dist.get_rank(), dist.get_world_size()
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     try:
         with _env(**env):
             model = _model(register(state))
-            trainer = Recorded(model=model, args=_trainer_args(os.path.join(tmp, "cp"), BATCH),
+            trainer = Recorded(model=model, args=_trainer_args(os.path.join(tmp, "cp"), BATCH // state.dp_size),
                                train_dataset=data, data_collator=default_data_collator, state=state, shuffle=False)
             trainer.train()
             ddp = trainer.model_wrapped
@@ -137,10 +137,11 @@ def _hf_trainer(tmp: str):
     )
 
 
-def test_hf_trainer_matches_one_device(pools, tmp_path):
+@pytest.mark.parametrize("ring_size", [2, 1], ids=["cp2", "dp2"])
+def test_hf_trainer_matches_one_device(pools, tmp_path, ring_size):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install seqpar[trainers])")
-    results = pools(2).run(_hf_trainer, str(tmp_path))
+    results = pools(2).run(_hf_trainer, str(tmp_path), ring_size)
     for loss_diff, param_diff, wrapper in results:
         assert wrapper == "DistributedDataParallel"  # the Trainer's own DDP over both ranks
         assert loss_diff < 1e-5 and param_diff < 1e-5, results
