@@ -20,8 +20,6 @@ import torch.distributed as dist
 from seqpar import ParallelState
 from seqpar.trainers import causal_lm_loss_share, dp_sampler, loss_scale
 
-pytestmark = pytest.mark.slow  # multi-rank framework runs: not in the quick subset
-
 VOCAB, SEQ, BATCH, STEPS = 61, 21, 2, 3
 
 
@@ -137,6 +135,7 @@ def _hf_trainer(tmp: str, ring_size: int = 2):
     )
 
 
+@pytest.mark.slow  # a framework's multi-rank run: not in the quick subset
 @pytest.mark.parametrize("ring_size", [2, 1], ids=["cp2", "dp2"])
 def test_hf_trainer_matches_one_device(pools, tmp_path, ring_size):
     pytest.importorskip("transformers")
@@ -206,6 +205,7 @@ def _accelerate(tmp: str):
     return max(abs(a - b) for a, b in zip(losses, ref_losses)), _max_diff(_params(model), ref_params), wrapper
 
 
+@pytest.mark.slow  # a framework's multi-rank run: not in the quick subset
 def test_accelerate_matches_one_device(pools, tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="pip install seqpar[trainers]")
@@ -266,6 +266,7 @@ def _lightning(tmp: str):
     return max(abs(a - b) for a, b in zip(losses, ref_losses)), _max_diff(_params(module.model), ref_params), wrapper
 
 
+@pytest.mark.slow  # a framework's multi-rank run: not in the quick subset
 def test_lightning_matches_one_device(pools, tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("lightning", reason="pip install seqpar[trainers]")
@@ -321,6 +322,7 @@ def _deepspeed_usable() -> str | None:
     return None
 
 
+@pytest.mark.slow  # a framework's multi-rank run: not in the quick subset
 @pytest.mark.parametrize("stage", [0, 2])
 def test_deepspeed_matches_one_device(pools, tmp_path, stage):
     pytest.importorskip("transformers")
