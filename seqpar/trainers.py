@@ -29,9 +29,11 @@ Note [Three traps of framework training loops]
    [Loss shares and gradient sync] in ``seqpar/training.py``). Stock DDP -- and so HF ``Trainer``,
    accelerate, Lightning's ``DDPStrategy`` and DeepSpeed's engine, which all all-reduce over every
    rank and divide by the world size ``dp_size * cp_size`` -- gives gradients ``cp_size`` times
-   too small. Multiply the loss share by ``cp_size`` (:func:`loss_scale`). Adam's update is
-   nearly invariant to a constant gradient scale, so the run looks normal; weight decay, gradient
-   clipping and SGD are not, and the loss differs from the single-device run's.
+   too small. Multiply the loss share by ``cp_size`` (:func:`loss_scale`). Adam's (and AdamW's)
+   update is nearly invariant to a constant gradient scale, and clipping hides it while the norm
+   exceeds the threshold, so the run looks normal; SGD, the logged gradient norm and unclipped
+   steps are not (tests/test_trainers.py trains with SGD for that reason). DeepSpeed also clips at
+   norm 1.0 by default (``gradient_clipping``), which a single-device reference must match.
 """
 
 from __future__ import annotations
