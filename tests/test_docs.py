@@ -207,6 +207,29 @@ doc_lens = [20, 25]
 device = torch.device("cpu")
 """
 
+# The framework recipes of docs/howto-trainers.md are programs for torchrun, which sets RANK,
+# WORLD_SIZE and LOCAL_RANK; accelerate and Lightning read them. The pool's ranks get them for the
+# block only, and accelerate's process-wide singletons are reset around it (and DeepSpeed's cached
+# clone of the world group, which the pool destroyed after an earlier block).
+_TRAINERS_ENV = """
+import os
+import torch.distributed as _dist
+_saved_env = dict(os.environ)
+os.environ.update(RANK=str(_dist.get_rank()), WORLD_SIZE=str(_dist.get_world_size()), LOCAL_RANK=str(_dist.get_rank()),
+                  NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", OMP_NUM_THREADS="1")
+try:
+    from accelerate.state import AcceleratorState as _AcceleratorState
+    _AcceleratorState._reset_state(reset_partial_state=True)
+except ImportError:
+    _AcceleratorState = None
+"""
+_TRAINERS_RESTORE = """
+if _AcceleratorState is not None:
+    _AcceleratorState._reset_state(reset_partial_state=True)
+os.environ.clear()
+os.environ.update(_saved_env)
+"""
+
 FRAGMENTS: dict[tuple[str, str], dict] = {
     ("README.md", "x = seqpar.shard(x_full, state)"): dict(ranks=8, setup=_README),
     ("docs/getting-started.md", "x = seqpar.shard(x_full, state)"): dict(ranks=4, setup=_README),
@@ -224,6 +247,15 @@ FRAGMENTS: dict[tuple[str, str], dict] = {
         ranks=4, setup=_COMPILED, teardown="torch.compile = _compile\n"),
     ("docs/compile.md", "compiled = torch.compile(vit"): dict(
         ranks=2, setup=_COMPILED + "state = seqpar.ParallelState(ring_size=2)\n", teardown="torch.compile = _compile\n"),
+    ("docs/howto-trainers.md", "trainer = SeqparTrainer("): dict(
+        ranks=2, setup=_TRAINERS_ENV, teardown=_TRAINERS_RESTORE),
+    ("docs/howto-trainers.md", "accelerator = Accelerator(cpu=True)"): dict(
+        ranks=2, setup=_TRAINERS_ENV, teardown=_TRAINERS_RESTORE),
+    ("docs/howto-trainers.md", "trainer.fit(CausalLM(state))"): dict(
+        ranks=2, setup=_TRAINERS_ENV, teardown=_TRAINERS_RESTORE),
+    ("docs/howto-trainers.md", "engine, _, _, _ = deepspeed.initialize("): dict(
+        ranks=2, setup=_TRAINERS_ENV + "import deepspeed.utils.groups\ndeepspeed.utils.groups._WORLD_GROUP = None\n",
+        teardown=_TRAINERS_RESTORE),
     ("docs/planner.md", "cost = calibrate(seqpar.ParallelState(ring_size=1, ulysses_size=2)"): dict(ranks=2),
     ("docs/howto-diffusers.md", "model = parallelize(model, state)"): dict(
         ranks=4, setup=_FLUX_PRETRAINED, teardown=_FLUX_RESTORE),
