@@ -94,6 +94,30 @@ def test_gradient_missing_on_some_ranks(pools, kind, skipping):
             assert err < (1e-6 if name.startswith("out") else 1e-12), (rank, kind, name, err)
 
 
+def _sinks_over_fewer_heads(ring, ulysses, heads):
+    """Attention sinks with fewer query heads than Ulysses ranks: a rank that holds no head after
+    the all-to-all may end backward without ``sinks.grad``; all_reduce_gradients then sums the
+    others' shares into the exact gradient on every rank."""
+    state = ParallelState(ring, ulysses)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 11, heads, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = torch.nn.Parameter(torch.randn(heads, generator=g, dtype=torch.float64))
+    ref_sinks = torch.nn.Parameter(sinks.detach().clone())
+    out = seqpar.attention(*(seqpar.shard(t, state) for t in (q, k, v)), state, causal=True, sinks=sinks)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1 + state.cp_rank), dtype=torch.float64)
+    (out * weight).sum().backward()
+    all_reduce_gradients([sinks], state)
+    full = seqpar.attention(q, k, v, ParallelState(), causal=True, sinks=ref_sinks)
+    (full * seqpar.unshard(weight, state, size=11)).sum().backward()
+    state.close()
+    return float((sinks.grad - ref_sinks.grad).abs().max())
+
+
+@pytest.mark.parametrize("ring,ulysses,heads", [(1, 4, 3), (1, 4, 1), (2, 2, 1)])
+def test_sinks_with_fewer_heads_than_ulysses_ranks(pools, ring, ulysses, heads):
+    assert max(pools(4).run(_sinks_over_fewer_heads, ring, ulysses, heads)) < 1e-12
+
+
 def _different_parameters():
     state = ParallelState(2, 1)
     params = [torch.nn.Parameter(torch.ones(3 + (dist.get_rank() == 1)))]

@@ -278,12 +278,209 @@ def test_one_rank_refusals_raise_on_every_rank():
     assert any(r["llama4_own"] for r in per_rank) and not all(r["llama4_own"] for r in per_rank)
     for rank, r in enumerate(per_rank):
         assert r["fine"] is None
-        for case, culprit in (("positions", 1), ("padding", 2)):
-            assert r[case] is not None, (rank, case)
-            mine = "position_ids" if case == "positions" else "padding masks"
-            assert (mine in r[case]) if rank == culprit else ("refused this call" in r[case]), (rank, r[case])
+        # Checked on the model's call (Note [transformers model checks]): the same error everywhere.
+        for case, want in (("positions", "the position_ids of cp rank 1 "), ("padding", "of cp rank 2 has zeros")):
+            assert r[case] is not None and want in r[case], (rank, case, r[case])
+            assert r[case] == per_rank[0][case], (rank, case)
         want = "floor_scale" if r["llama4_own"] else "refused this call"
         assert r["llama4"] is not None and want in r["llama4"], (rank, r["llama4"])
+
+
+# --- never silently wrong, round 3 (issue #19): checks of the model's own call ------------------
+
+
+def _outcome(call):
+    """``("ok", max error)`` or ``(exception type, message)``: what one rank saw."""
+    try:
+        return ("ok", call())
+    except NotImplementedError as e:  # MaskUsedAsTensor included
+        return ("NotImplementedError", str(e))
+    except ValueError as e:
+        return ("ValueError", str(e))
+
+
+def _tiny_model(family: str, name: str):
+    """``(reference, seqpar model)`` of ``family``, each with its own config, equal weights, in eval mode."""
+    import transformers
+
+    configs = {
+        "llama": lambda: tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+                                           num_key_value_heads=2, num_hidden_layers=2),
+        "bert": lambda: transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=64),
+        "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0),
+        "modernbert": lambda: transformers.ModernBertConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            local_attention=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+        "qwen2_vl_text": lambda: transformers.Qwen2VLTextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+            max_position_embeddings=128),
+        "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
+        "mpt": lambda: transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4),
+        "doge": lambda: transformers.DogeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2,
+                                                intermediate_size=64),
+    }
+    classes = {
+        "llama": "LlamaForCausalLM", "bert": "BertModel", "gpt_bigcode": "GPTBigCodeModel",
+        "modernbert": "ModernBertModel", "qwen2_vl_text": "Qwen2VLTextModel", "bloom": "BloomForCausalLM",
+        "mpt": "MptForCausalLM", "doge": "DogeForCausalLM",
+    }
+    if family in HF_FAMILIES:
+        cls, make = causal_lm_class(family), lambda: tiny_hf_config(family)
+    else:
+        cls, make = getattr(transformers, classes[family]), configs[family]
+    torch.manual_seed(0)
+    model = cls._from_config(make(), attn_implementation=name).eval()
+    impl = {"bloom": "eager", "mpt": "eager"}.get(family, _REFERENCE.get(family, "sdpa"))  # no sdpa there
+    ref = cls._from_config(make(), attn_implementation=impl)
+    ref.load_state_dict(model.state_dict())
+    return ref.eval(), model
+
+
+def _output(out):
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _round3_cases(ring, ulysses):
+    """Every finding of issue #19 round 3 in the transformers integration, as seen by one rank."""
+    state = ParallelState(ring, ulysses)
+    name = register(state, name=f"seqpar-test-r3-{ring}x{ulysses}")
+    out = {}
+
+    def exact(family, S, ref=None, model=None, **extra):
+        if model is None:
+            ref, model = _tiny_model(family, name)
+        ids = torch.randint(3, VOCAB, (2, S), generator=torch.Generator().manual_seed(S))
+        want = shard(_output(ref(input_ids=ids)), state)
+        local = shard(ids, state)
+        kwargs = {"position_ids": shard_positions(S, state)[None], **extra}
+        return lambda: float((_output(model(input_ids=local, **kwargs)) - want).abs().max())
+
+    # finding 3: a caller's 4-D mask, with one token per rank (1x1 blocks) and more
+    for family, S in (("llama", 4), ("llama", 6), ("llama", 9), ("bert", 4), ("bert", 9)):
+        _, model = _tiny_model(family, name)
+        n = shard(torch.zeros(1, S), state).shape[1]
+        block = torch.ones(n, n, dtype=torch.bool)
+        block = (block.tril() if family == "llama" else block)[None, None]
+        for kind, mask in (("bool", block), ("additive", torch.zeros(1, 1, n, n).masked_fill(~block, -1e9))):
+            local = shard(torch.randint(3, VOCAB, (1, S)), state)
+            out[f"3 {family} S={S} {kind}"] = _outcome(lambda: model(
+                input_ids=local, position_ids=shard_positions(S, state)[None], attention_mask=mask))
+    # finding 4: families that never pass position_ids to attention
+    for family in ("bert", "gpt_bigcode", "modernbert", "qwen2_vl_text", "llama4"):
+        ref, model = _tiny_model(family, name)
+        local = shard(torch.randint(3, VOCAB, (2, 13)), state)
+        n = local.shape[1]
+        contiguous = (torch.arange(n) + state.cp_rank * n)[None]
+        out[f"4 {family} none"] = _outcome(lambda: model(input_ids=local))
+        out[f"4 {family} contiguous"] = _outcome(lambda: model(input_ids=local, position_ids=contiguous))
+        out[f"4 {family} right"] = _outcome(exact(family, 13, ref, model))
+    # finding 5: transformers' own loss; labels on every rank, or on the last rank only
+    _, model = _tiny_model("llama", name)
+    local = shard(torch.randint(3, VOCAB, (1, 13)), state)
+    positions = shard_positions(13, state)[None]
+    out["5 labels"] = _outcome(lambda: model(input_ids=local, position_ids=positions, labels=local))
+    last = local if state.cp_rank == state.cp_size - 1 else None
+    out["5 labels on one rank"] = _outcome(lambda: model(input_ids=local, position_ids=positions, labels=last))
+    # finding 6: one config for the seqpar model and a reference built after it (on every rank, or rank 0)
+    for where in ("every rank", "cp rank 0"):
+        cfg = tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation=name)
+        if where == "every rank" or state.cp_rank == 0:
+            LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+        out[f"6 shared config, {where}"] = _outcome(lambda: model(input_ids=local, position_ids=positions))
+    # finding 9: fewer tokens than CP ranks; one token per rank is exact
+    for family in ("llama", "mistral", "gemma2"):
+        out[f"9 {family} S=3"] = _outcome(exact(family, 3))
+        out[f"9 {family} S={state.cp_size}"] = _outcome(exact(family, state.cp_size))
+    # finding 11: a full-length 2-D attention_mask next to sharded ids (all ones: no padding)
+    out["11 full-length mask"] = _outcome(exact("llama", 13, attention_mask=torch.ones(2, 13, dtype=torch.long)))
+    out["11 sharded mask"] = _outcome(exact("llama", 13, attention_mask=shard(torch.ones(2, 13, dtype=torch.long), state)))
+    # finding 12: models that compute attention themselves
+    for family in ("bloom", "mpt", "doge"):
+        _, model = _tiny_model(family, name)
+        out[f"12 {family}"] = _outcome(lambda: model(input_ids=local, position_ids=positions))
+    out["sanity llama"] = _outcome(exact("llama", 13))
+    state.close()
+    return out
+
+
+def _expect_round3(case: str, got: tuple[str, object], cp_size: int) -> None:
+    """What every rank must see for ``case`` of :func:`_round3_cases`."""
+    kind, value = got
+    finding, subject = case.split(" ", 1)
+    refusals = {
+        "3": ("ValueError", "4-D attention_mask"),
+        "4": ("ValueError", "without position_ids" if subject.endswith("none") else "the position_ids of cp rank"),
+        "5": ("NotImplementedError", "sharded_cross_entropy"),
+        "6": ("ValueError", "its config now names 'sdpa'"),
+        "9": ("ValueError", "holds none"),
+        "11": ("ValueError", "a full-length mask next to sharded ids"),
+        "12": ("NotImplementedError", "computes"),
+    }
+    exact = subject.endswith("right") or subject.endswith(f"S={cp_size}") or "sharded" in subject
+    if case.startswith("sanity") or exact:
+        assert kind == "ok" and value < 2e-5, (case, got)
+    else:
+        want_kind, want_text = refusals[finding]
+        assert kind == want_kind and want_text in value, (case, got)
+        if finding == "12":
+            assert subject in value.lower(), (case, got)  # the message names the model
+
+
+@pytest.mark.parametrize("ring,ulysses", [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])
+def test_round3_findings_raise_the_same_error_on_every_rank_or_are_exact(ring, ulysses):
+    from seqpar.testing import DistPool
+
+    # a short timeout: a rank left waiting fails the test instead of stalling it
+    with DistPool(4, timeout_s=60) as pool:
+        per_rank = pool.run(_round3_cases, ring, ulysses)
+    for case in per_rank[0]:
+        outcomes = [r[case] for r in per_rank]
+        if outcomes[0][0] != "ok":
+            assert all(o == outcomes[0] for o in outcomes), (case, outcomes)  # the same error everywhere
+        for got in outcomes:
+            _expect_round3(case, got, 4)
+
+
+def test_round3_single_process():
+    """One rank: labels= and no position_ids are fine (exact); a switched config, models that
+    compute attention themselves and the 2-D full-length mask are still refused."""
+    state = ParallelState()
+    name = register(state, name="seqpar-test-r3-single")
+    ref, model = _tiny_model("llama", name)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(0))
+    want = ref(input_ids=ids, labels=ids)
+    got = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    cfg = tiny_llama_config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2)
+    shared = LlamaForCausalLM._from_config(cfg, attn_implementation=name)
+    LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    with pytest.raises(ValueError, match="built with attn_implementation='seqpar-test-r3-single', but its config now names 'eager'"):
+        shared(input_ids=ids)
+    for family, match in (("bloom", "BloomForCausalLM computes attention itself"),
+                          ("mpt", "MptForCausalLM computes attention itself"),
+                          ("doge", "the doge model computes with its attention mask itself")):
+        with pytest.raises(NotImplementedError, match=match):
+            _tiny_model(family, name)[1](input_ids=ids)
+
+
+def test_full_length_mask_message_from_the_mask_function():
+    """The mask function itself (a model without seqpar's call checks) names the full-length
+    2-D mask instead of blaming a KV cache."""
+    from transformers.masking_utils import create_causal_mask
+
+    config = tiny_hf_config("mistral", sliding_window=None)
+    config._attn_implementation = register(ParallelState(), name="seqpar-test-fullmask")
+    with pytest.raises(ValueError, match="has 20 tokens per row but this rank holds 11 tokens"):
+        create_causal_mask(config, torch.zeros(2, 11, 32), torch.ones(2, 20, dtype=torch.long), None)
 
 
 # --- single process (size-1 state) -------------------------------------------------------------

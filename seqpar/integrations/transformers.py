@@ -16,8 +16,8 @@ transformers (checked against 5.23) calls the registered attention function per 
 ``fn(module, query, key, value, attention_mask, dropout=, scaling=, **kwargs)`` with query
 ``[B, H, S, D]``, key/value ``[B, Hkv, S, D]`` (GQA is *not* expanded; ``module.num_key_value_groups
 = H // Hkv``), and expects ``([B, S, H, D], attn_weights_or_None)`` back. ``is_causal`` arrives as a
-kwarg or as ``module.is_causal``; most models pass ``position_ids`` in ``kwargs`` (Llama 4 does not,
-so its positions are checked only where transformers' packing wrapper, below, carries them).
+kwarg or as ``module.is_causal``; most models pass ``position_ids`` in ``kwargs`` (BERT, GPT-BigCode,
+ModernBERT, Qwen2-VL text and Llama 4 do not: positions are checked on the model's call, below).
 Score modifiers arrive as kwargs: ``sliding_window=W`` (Mistral, Qwen2, Gemma 2/3, gpt-oss; also
 ``module.sliding_window`` on Qwen2-MoE's sliding layers), ``softcap`` (Gemma 2's
 ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss sinks, a ``[H]`` parameter). Phi-MoE and Llama 4
@@ -57,13 +57,25 @@ on some ranks only; a failing rank joins the first layer's length exchange with 
 (``seqpar.attention.refuse_collectively``), so every CP rank raises instead of waiting.
 
 A 4-D mask passed in by the caller skips the mask function and reaches the attention function as
-is: the plain causal pattern (bool lower triangle, or additive ``0``/``-inf``) of a shard is read as
-``causal=True``, an all-attend mask as ``causal=False``; any other mask is rejected. Padding masks,
+is. On shards (``cp_size > 1``) it is refused: a shard's block cannot say how tokens attend across
+shards (with one token per rank every block is ``[[True]]``, causal and all-attend alike; a causal
+block is also that of a sliding window wider than the shard). On one rank the plain causal pattern
+(bool lower triangle, or additive ``0``/``-inf``) is read as ``causal=True``, an all-attend mask as
+``causal=False``, anything else rejected. Padding masks, full-length 2-D masks next to sharded ids,
 dropout, KV caches, position biases and packed-batch kwargs are refused.
 
 The global length is not known to a rank without communication (Note [Global length] in
 ``seqpar.attention``), so every layer passes ``seq_len=None`` when ``cp_size > 1`` and
-``seqpar.attention`` exchanges a few ints per call; nothing here adds a collective.
+``seqpar.attention`` exchanges a few ints per call.
+
+Models built with a seqpar name also have their own call checked, once per forward, before any
+rank runs the model on its shard (Note [transformers model checks] in
+``seqpar.integrations.transformers_guard``: one small all-gather over the CP group): a config
+switched to another implementation by a model sharing it, a model that computes attention itself
+(Bloom, MPT, ...), ``labels=`` (transformers' loss on a shard is a local mean with a wrong shift at
+the shard edges: use ``seqpar.training.sharded_cross_entropy``), missing or wrong ``position_ids``
+(BERT, GPT-BigCode, ModernBERT, Qwen2-VL text and Llama 4 never pass them to attention), a rank
+holding no token, full-length, padding and 4-D masks. Every CP rank raises the same error.
 
 Registration is global to the process (transformers keeps one class-level mapping); each call to
 :func:`register` binds one ``ParallelState`` to one name.
@@ -100,7 +112,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -110,7 +122,7 @@ from torch.overrides import TorchFunctionMode
 from ..placement import Mask, Placement
 from ..state import ParallelState, require_state
 
-__all__ = ["RecognisedMask", "attention_forward", "mask_function", "recognise_mask_function", "register"]
+__all__ = ["MaskUsedAsTensor", "RecognisedMask", "attention_forward", "mask_function", "recognise_mask_function", "register"]
 
 # Names that transformers itself provides; registering over them would change every model.
 _BUILTIN = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -123,6 +135,9 @@ _UNSUPPORTED_KWARGS = {
     "max_length_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
 }
 _ABSENT = object()
+# The module registration hook that gives seqpar models their checks (installed by the first
+# register; Note [transformers model checks] in seqpar.integrations.transformers_guard).
+_MODEL_CHECKS: list = []
 
 
 def _interfaces():
@@ -137,17 +152,56 @@ def _interfaces():
     return AttentionInterface, AttentionMaskInterface
 
 
+class MaskUsedAsTensor(NotImplementedError, AttributeError):
+    """A model computed with seqpar's :class:`RecognisedMask` as if it were a mask tensor.
+
+    Also an ``AttributeError``, so that ``hasattr(mask, ...)`` / ``getattr(mask, ..., default)``
+    probes keep answering "no" instead of raising.
+    """
+
+
 @dataclass(frozen=True)
 class RecognisedMask:
     """What :func:`mask_function` hands transformers, and transformers hands every layer.
 
+    Not a tensor: a model that computes attention (or anything) from the mask itself instead of
+    handing it to transformers' attention interface gets :class:`MaskUsedAsTensor` naming the
+    model at its first arithmetic, indexing or tensor attribute on it (Bloom, MPT, Doge, ...:
+    Note [transformers model checks] in ``seqpar.integrations.transformers_guard``).
+
     Attributes:
         mask: the pattern in global positions, normalised for ``grid`` positions.
         grid: how many global positions were probed (at least the global sequence length).
+        model: the model type the mask was built for (from its config), for messages.
     """
 
     mask: Mask
     grid: int
+    model: str = field(default="", compare=False, repr=False)
+
+    def _misuse(self, what: str) -> MaskUsedAsTensor:
+        model = self.model or "this"
+        return MaskUsedAsTensor(
+            f"seqpar attention: the {model} model computes with its attention mask itself ({what}) "
+            "instead of handing it to transformers' attention interface, so seqpar, which recognises "
+            "the mask on global positions and builds no tensor, cannot run it on sequence shards; "
+            "use a model family that calls the attention interface (docs/models.md)"
+        )
+
+    def __getattr__(self, name: str) -> NoReturn:  # only for names the dataclass does not have
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise self._misuse(f"it reads attention_mask.{name}")
+
+    def __getitem__(self, index: object) -> NoReturn:
+        raise self._misuse("it indexes the mask")
+
+    def _arithmetic(self, other: object = None) -> NoReturn:
+        raise self._misuse("it adds, multiplies or compares the mask")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
+    __truediv__ = __rtruediv__ = __and__ = __rand__ = __or__ = __ror__ = __invert__ = _arithmetic
+    __lt__ = __le__ = __gt__ = __ge__ = _arithmetic
 
 
 # --- recognising a transformers mask function (Note [Recognising transformers masks]) -----------
@@ -380,7 +434,8 @@ def _declared_window(module: torch.nn.Module, kwargs: dict[str, Any], causal: bo
 
 
 def _layer_mask(
-    module: torch.nn.Module, attention_mask: object, is_causal: bool | None, kwargs: dict[str, Any], n: int
+    module: torch.nn.Module, attention_mask: object, is_causal: bool | None, kwargs: dict[str, Any], n: int,
+    state: ParallelState,
 ) -> Mask:
     """The layer's mask in global positions, from the mask function's result and the kwargs."""
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -408,6 +463,8 @@ def _layer_mask(
             f"seqpar attention: got an attention mask of type {type(attention_mask).__name__}; expected "
             "the mask seqpar's registered mask function builds, None, or a 4-D tensor"
         )
+    if state.cp_size > 1:
+        raise ValueError(four_d_mask_message(str(tuple(attention_mask.shape)), n, state.cp_size))
     kind = _mask_kind(attention_mask, n, n)
     if kind is None:
         raise ValueError(
@@ -422,6 +479,27 @@ def _layer_mask(
             f"{window}; pass no attention_mask so that the model builds its own masks"
         )
     return Mask(kind)
+
+
+def four_d_mask_message(shape: str, n: int, cp_size: int) -> str:
+    """Why a caller's 4-D ``attention_mask`` (of shape ``shape``) is refused on shards (``cp_size > 1``)."""
+    return (
+        f"seqpar attention: got a 4-D attention_mask of shape {shape} over this rank's {n} tokens; on "
+        f"sequence shards ({cp_size} CP ranks) a mask over one shard cannot say how tokens attend "
+        "across shards (a 1x1 block is both causal and all-attend, a causal block is also that of a "
+        "sliding window wider than the shard), so it would be read wrongly. Pass no attention_mask: "
+        "the model builds its causal, bidirectional, sliding-window or chunked mask itself, and "
+        "seqpar recognises it on global positions"
+    )
+
+
+def full_length_mask_message(mask_len: int, n: int) -> str:
+    """Why a 2-D ``attention_mask`` longer than the shard is refused."""
+    return (
+        f"seqpar attention: the 2-D attention_mask has {mask_len} tokens per row but this rank holds "
+        f"{n} tokens of input_ids: a full-length mask next to sharded ids. Shard it like the ids "
+        "(attention_mask=seqpar.shard(attention_mask, state)), or pass none (all ones is no mask)"
+    )
 
 
 def _sinks(kwargs: dict[str, Any]) -> Tensor | None:
@@ -488,8 +566,8 @@ def attention_forward(
         query: ``(batch, nheads, seqlen_local, headdim)``.
         key, value: ``(batch, nheads_kv, seqlen_local, headdim)``; ``nheads % nheads_kv == 0``.
         attention_mask: the :class:`RecognisedMask` of :func:`mask_function`, ``None`` (then
-            ``is_causal`` and ``sliding_window`` decide), or a 4-D mask of the plain causal /
-            all-attend pattern over the shard (see Note [transformers attention on shards]).
+            ``is_causal`` and ``sliding_window`` decide), or, with ``cp_size == 1`` only, a 4-D mask
+            of the plain causal / all-attend pattern (Note [transformers attention on shards]).
         dropout: must be 0 (the model in eval mode, or ``attention_dropout=0``).
         scaling: softmax scale (default ``headdim ** -0.5``).
         is_causal: overrides ``module.is_causal`` (default ``True``) when given.
@@ -502,9 +580,11 @@ def attention_forward(
         exact attention over the global sequence.
 
     Raises:
-        ValueError: a 4-D mask other than the plain causal / all-attend pattern; a mask that
-            disagrees with ``is_causal`` or ``sliding_window``; position_ids that are not global
-            shard positions; head counts that disagree with ``num_key_value_groups``.
+        ValueError: a 4-D mask over shards (``cp_size > 1``: a shard's block cannot say how
+            tokens attend across shards), or on one rank other than the plain causal / all-attend
+            pattern; a mask that disagrees with ``is_causal`` or ``sliding_window``; position_ids
+            that are not global shard positions; head counts that disagree with
+            ``num_key_value_groups``.
         NotImplementedError: dropout > 0, decoding with a KV cache, position biases, packed-batch
             kwargs, or Llama 4 temperature tuning on sequences of ``floor_scale`` tokens or more.
     """
@@ -531,9 +611,9 @@ def attention_forward(
             f"seqpar attention: query has {query.shape[1]} heads, key {key.shape[1]}, but the module "
             f"says num_key_value_groups={groups}"
         )
-    mask = _layer_mask(module, attention_mask, is_causal, kwargs, n)
     position_ids = kwargs.get("position_ids")
     with _refusing_together(state, query.device):
+        mask = _layer_mask(module, attention_mask, is_causal, kwargs, n, state)
         if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
             _check_positions(position_ids, state)
         _check_temperature_tuning(module, n, state)
@@ -571,7 +651,8 @@ def mask_function(
             ``q_length`` is the local shard length and must equal ``kv_length`` (no cache).
         mask_function: transformers' ``(batch_idx, head_idx, q_idx, kv_idx) -> bool`` pattern
             (default: causal).
-        attention_mask: the model's 2-D ``(batch, seqlen)`` mask, or ``None``; must be all ones.
+        attention_mask: the model's 2-D ``(batch, seqlen_local)`` mask, or ``None``; must be all
+            ones.
         use_vmap: set by transformers for custom mask functions (evaluated with ``torch.vmap``).
         local_size: the sliding window or chunk size, which transformers passes for those masks.
         state: the parallel state the tokens are sharded over (bound by :func:`register`).
@@ -580,12 +661,20 @@ def mask_function(
         A :class:`RecognisedMask` (Note [Recognising transformers masks]).
 
     Raises:
-        ValueError: a padding mask (any zero in ``attention_mask``); position_ids of a packed
-            wrapper that are not this rank's global positions.
+        ValueError: a padding mask (any zero in ``attention_mask``); a 2-D ``attention_mask``
+            longer than the shard (a full-length mask next to sharded ids); position_ids of a
+            packed wrapper that are not this rank's global positions.
         NotImplementedError: a KV cache or cross-attention (``kv_length != q_length``, offsets);
             a pattern that depends on token data or is no causal/window/chunk mask.
     """
     offsets = (q_offset, kv_offset)
+    device = attention_mask.device if isinstance(attention_mask, Tensor) else torch.device("cpu")
+    if (
+        isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and attention_mask.shape[-1] != q_length
+        and kv_length == attention_mask.shape[-1] and offsets == (0, 0)
+    ):  # transformers takes kv_length from the mask when there is no cache
+        with _refusing_together(state, device):
+            raise ValueError(full_length_mask_message(attention_mask.shape[-1], q_length))
     if kv_length != q_length or not all(isinstance(o, int) for o in offsets) or any(offsets):
         raise NotImplementedError(
             f"seqpar attention: a mask for {q_length} queries over {kv_length} keys (offsets "
@@ -595,7 +684,6 @@ def mask_function(
     if mask_function is None:
         from transformers.masking_utils import causal_mask_function as mask_function
     base, position_ids = _unwrap_packing(mask_function)
-    device = attention_mask.device if isinstance(attention_mask, Tensor) else torch.device("cpu")
     with _refusing_together(state, device):
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             raise ValueError(
@@ -611,7 +699,7 @@ def mask_function(
         grid = max(state.cp_size * (q_length + 2), 2 * local_size + 2 if local_size else 0)
     hint = int(local_size) if local_size else None
     mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
-    return RecognisedMask(mask, grid)
+    return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "")
 
 
 def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto") -> str:
@@ -622,7 +710,11 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
     ``from_pretrained(..., attn_implementation=name)`` or ``_from_config(config,
     attn_implementation=name)`` runs every attention layer on sequence shards. Feed the model
     ``input_ids=seqpar.shard(ids, state)``, ``position_ids=seqpar.shard_positions(S, state)[None]``
-    and ``use_cache=False``. Registering the same name again rebinds it.
+    and ``use_cache=False``, no ``labels``. Registering the same name again rebinds it.
+
+    The first call also installs (once per process) the hook that gives every model built with
+    a seqpar name a check of its own calls (Note [transformers model checks] in
+    ``seqpar.integrations.transformers_guard``); give each model its own config object.
 
     Args:
         state: the parallel state the tokens are sharded over.
@@ -654,6 +746,10 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
     def seqpar_mask(*args, **kwargs):
         return mask_function(*args, state=state, **kwargs)
 
+    from .transformers_guard import Binding, install
+
+    seqpar_attention._seqpar_binding = Binding(state, backend)  # models built for `name` find their state
     attention_interface.register(name, seqpar_attention)
     mask_interface.register(name, seqpar_mask)
+    install(_MODEL_CHECKS)
     return name
