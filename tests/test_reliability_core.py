@@ -236,7 +236,7 @@ def _rank_refusal_next_to_varlen(_: None) -> str:
 
 def test_a_refusal_next_to_a_packed_call_raises_on_every_rank(pools):
     """Every exchange sends rows of one length, so a refusal pairs with a packed call's exchange
-    (their lengths once differed: a gloo abort instead of an error)."""
+    (their lengths once differed: the ranks hung)."""
     own, other = pools(2).run(_rank_refusal_next_to_varlen, None)
     assert own == "rank 0: its own reason"
     assert "cp rank 0 refused this call" in other, other
