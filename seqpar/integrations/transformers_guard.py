@@ -16,7 +16,10 @@ model's own call, and some models never call it at all:
   ModernBERT, Qwen2-VL text, Llama 4) number every shard from 0 unnoticed;
 - a rank holding no token: transformers' own mask code fails there (``position_ids[:, -1]``)
   while the other ranks wait in seqpar's first collective;
-- a full-length 2-D ``attention_mask`` next to sharded ids, padding, a 4-D mask.
+- a full-length 2-D ``attention_mask`` next to sharded ids, padding, a 4-D mask;
+- a hybrid model whose other layers mix tokens outside attention (Mamba mixers, gated delta nets,
+  short convolutions, recurrences: Jamba, Bamba, Qwen3-Next, LFM2, ...): on shards each would see
+  only its rank's tokens, so such models are refused (found by class name in the modeling code).
 
 So :func:`seqpar.integrations.transformers.register` installs, once per process, a torch module
 registration hook: when a ``PreTrainedModel`` whose config names a seqpar implementation gets its
@@ -56,6 +59,7 @@ _KNOWN = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attenti
 
 # Problem codes of one rank's call, in the order they are looked for.
 SWITCHED, UNSUPPORTED, LABELS, NO_POSITION_PARAMETER, NO_POSITIONS, POSITIONS, EMPTY, FULL_LENGTH_MASK, PADDING, MASK_4D = range(1, 11)
+SEQUENCE_MIXER = 11
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,27 @@ def _computes_attention_itself(cls: type) -> bool:
     return defines and "ALL_ATTENTION_FUNCTIONS" not in code
 
 
+# Layers that mix tokens along the sequence without transformers' attention interface: state-space
+# (Mamba), gated delta rules and linear attention, short causal convolutions, recurrences, RWKV.
+_SEQUENCE_MIXER = re.compile(
+    r"^class (\w*(?:Mamba|Mixer|GatedDeltaNet|DeltaNet|LinearAttention|ShortConv|Rwkv|RecurrentBlock|Rglru"
+    r"|xLSTM|Mlstm|Slstm)\w*)\(", re.MULTILINE,
+)
+
+
+@functools.cache
+def _sequence_mixer(cls: type) -> str | None:
+    """The first class of ``cls``'s modeling code that mixes tokens outside attention (a Mamba mixer,
+    a gated delta net, a short convolution, ...), or None. On sequence shards such a layer would see
+    only this rank's tokens: hybrid models (Jamba, Bamba, Qwen3-Next, LFM2, ...) are refused."""
+    try:
+        code = inspect.getsource(sys.modules[cls.__module__])
+    except (KeyError, OSError, TypeError):
+        return None
+    found = _SEQUENCE_MIXER.search(code)
+    return found.group(1) if found else None
+
+
 @functools.lru_cache(maxsize=64)
 def _placement_fingerprints(total: int, ring_size: int, ulysses_size: int) -> tuple[int, ...]:
     """The position fingerprint of every CP rank's shard of ``total`` tokens."""
@@ -184,6 +209,8 @@ def _inspect(model: nn.Module, name: str, args: tuple, kwargs: dict[str, Any], s
         return call(UNSUPPORTED)
     if state.cp_size == 1:
         return call(0)
+    if _sequence_mixer(type(model)) is not None:
+        return call(SEQUENCE_MIXER)
     if _argument(model, args, kwargs, "labels") is not None:
         return call(LABELS)
     if n == 0:
@@ -284,6 +311,12 @@ def _error(model: nn.Module, name: str, state: ParallelState, rows: list[list[in
             f"interface (its modeling code never calls ALL_ATTENTION_FUNCTIONS), so "
             f"attn_implementation={name!r} never reaches its attention layers and seqpar cannot run it "
             "on sequence shards; the families seqpar runs are in docs/models.md"
+        ),
+        SEQUENCE_MIXER: lambda: NotImplementedError(
+            f"seqpar: {cls} has layers that mix tokens outside attention ({_sequence_mixer(type(model))}: "
+            "a state-space, linear-attention, convolution or recurrent layer); on sequence shards each "
+            "would see only its rank's tokens, so seqpar cannot run it over "
+            f"{state.cp_size} CP ranks (its attention layers alone would be exact)"
         ),
         LABELS: lambda: NotImplementedError(
             f"seqpar: {cls} was called with labels= on sequence shards{at}: transformers' loss would "
