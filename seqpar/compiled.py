@@ -83,8 +83,8 @@ def _rebuild(
     prefix: int = 0, suffix: int = 0,
 ) -> PreparedCall:
     """The call a validated forward prepared, from its options and placement (no check, no collective)."""
-    mask = Mask(causal, tuple(window), chunk_size)
-    resolved = resolve_backend(backend, qb, mask.normalised(max(seq_lens, default=0)), softcap, "seqpar.compiled")
+    mask = Mask(causal, tuple(window), chunk_size).normalised(max(seq_lens, default=0))
+    resolved = resolve_backend(backend, qb, mask, softcap, "seqpar.compiled")
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
     return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, softcap, prefix, suffix)
 

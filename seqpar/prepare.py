@@ -189,10 +189,10 @@ def build_call(
 ) -> PreparedCall:
     """The :class:`PreparedCall` of validated bshd tensors and a known placement (no checks, no
     collective): the last step of :func:`prepare_dense` / :func:`prepare_varlen`, and how the
-    compiled backward rebuilds its forward's call."""
+    compiled backward rebuilds its forward's call. ``mask`` is already normalised for the longest
+    sequence (``Mask.normalised(max(seq_lens))``), as the backend was resolved for it."""
     R, U = state.ring_size, state.ulysses_size
-    placement, plan = _cached_plan(seq_lens, free, R, U, state.ring_rank, mask.normalised(max(seq_lens, default=0)),
-                                   qb.shape[0] == 1)
+    placement, plan = _cached_plan(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
     ring = RingSetup(state.ring_group, plan, backend, scale, softcap, state.workspace)
     ulysses = None
     if U > 1:
@@ -339,18 +339,18 @@ def prepare_dense(
     scale = D ** -0.5 if o.softmax_scale is None else o.softmax_scale
 
     def signature() -> list[int]:
-        sig = [
+        return [
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(o.causal), *o.window,
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
         ]
-        return sig
 
     names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, seq_len)"
     mask = Mask(o.causal, o.window, o.chunk_size)
     body = S - o.prefix - o.suffix
     seq_lens, free = _dense_placement(body, state, o.seq_len, mask, signature, names, q.device, where)
-    resolved = resolve_backend(backend, q, mask.normalised(seq_lens[0]), o.softcap, where)
+    mask = mask.normalised(seq_lens[0])
+    resolved = resolve_backend(backend, q, mask, o.softcap, where)
     return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, o.softcap, o.prefix, o.suffix)
 
 
@@ -392,8 +392,8 @@ def prepare_varlen(
     lens = check_seq_lens(seq_lens, where)
     R, U = state.ring_size, state.ulysses_size
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    mask = Mask(causal, window, chunk_size)
-    want = _cached_plan(lens, None, R, U, state.ring_rank, mask.normalised(max(lens, default=0)), True)[0].shard_lengths
+    mask = Mask(causal, window, chunk_size).normalised(max(lens, default=0))
+    want = _cached_plan(lens, None, R, U, state.ring_rank, mask, True)[0].shard_lengths
 
     def signature() -> list[int]:
         return [
@@ -420,7 +420,7 @@ def prepare_varlen(
             f"{got[bad]} (tokens per cp rank: {got}); pass the global seq_lens of the packed batch "
             f"and shard q, k, v with seqpar.shard_packed{hint}"
         )
-    resolved = resolve_backend(backend, q, mask.normalised(max(lens, default=0)), softcap, where)
+    resolved = resolve_backend(backend, q, mask, softcap, where)
     return build_call(q[None], k[None], v[None], state, lens, None, mask, resolved, scale, softcap)
 
 
