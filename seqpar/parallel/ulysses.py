@@ -218,11 +218,11 @@ def ulysses_attention(
     mine = setup.mine
     # One all-to-all of q, k, v; when v's head dim differs, over the flattened (heads, head_dim)
     # axis so that the three share every dim but the scattered one.
-    dims = (D, D, v.shape[-1])
-    ranges = [[(a * d, c * d) for a, c in setup.head_ranges(kind)] for kind, d in zip("qkk", dims)]
+    dims = [D, D, v.shape[-1]]
+    ranges = _flat_ranges([setup.head_ranges(kind) for kind in "qkk"], dims)
     q_u, k_u, v_u = (
         x.unflatten(2, (-1, d))
-        for x, d in zip(all_to_all_many([t.flatten(2) for t in (q, k, v)], group, scatter_dim=2, gather_dim=1,
+        for x, d in zip(all_to_all_many(_flat_heads([q, k, v]), group, scatter_dim=2, gather_dim=1,
                                         gather_size=sizes, scatter_ranges=ranges), dims)
     )
     if mine.q_len == 0:
