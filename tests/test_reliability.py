@@ -166,3 +166,14 @@ def test_closed_state_refused_everywhere(pools):
     for per_entry in pools(2).run(_closed_state_entries):
         for name, msg in per_entry.items():
             assert msg is not None and "was closed" in msg and msg.startswith(name), (name, msg)
+
+
+def test_position_fingerprint_is_no_linear_moment():
+    """The transformers guard compares each rank's positions with its placement by a fingerprint:
+    rows that share a weighted sum of positions (once the fingerprint) must still differ."""
+    from seqpar.integrations.transformers_guard import _fingerprint
+
+    right = torch.tensor([0, 1, 2, 3])
+    for wrong in ([1, 0, 1, 4], [1, 0, 3, 2], [0, 2, 1, 3], [3, 2, 1, 0], [0, 1, 2, 4]):
+        assert _fingerprint(torch.tensor(wrong)) != _fingerprint(right), wrong
+    assert _fingerprint(right[None]) == _fingerprint(right)  # one row, any leading shape

@@ -186,9 +186,18 @@ class _Call:
 
 
 def _fingerprint(positions: Tensor) -> int:
-    """An int that differs, with overwhelming probability, between different position rows."""
-    weights = torch.arange(1, positions.numel() + 1, device=positions.device)
-    return int(((positions.long() + 1) * weights).sum())
+    """An int that differs, with overwhelming probability, between different position rows: the
+    sum of a non-linear 64-bit mix of every (index, position) pair, on the positions' device.
+
+    Not a weighted sum: a moment linear in the positions lets other rows match ([1, 0, 1, 4] and
+    [0, 1, 2, 3] have the same ``sum((p + 1) * (i + 1))``); int64 arithmetic wraps, which the mix wants.
+    """
+    p = positions.reshape(-1).long()
+    h = p * 0x5851F42D4C957F2D + torch.arange(p.numel(), device=p.device) * 0x14057B7EF767814F + 1
+    h = h ^ (h >> 31)
+    h = h * 0x2545F4914F6CDD1D
+    h = h ^ (h >> 29)
+    return int(h.sum())
 
 
 def _inspect(model: nn.Module, name: str, args: tuple, kwargs: dict[str, Any], state: ParallelState) -> _Call:
