@@ -2,6 +2,7 @@
 
 from . import comm, placement, rng, training
 from .attention import SequenceParallelAttention, attention, varlen_attention
+from .placement.masks import MaskSlices
 from .planner import plan  # seqpar.plan(cp_size, ...): the degree planner (seqpar.planner)
 from .sdpa import local_sdpa, parallel_sdpa
 from .sharding import shard, shard_packed, shard_packed_positions, shard_positions, unshard, unshard_packed
@@ -27,4 +28,5 @@ __all__ = [
     "training",
     "rng",
     "plan",
+    "MaskSlices",
 ]

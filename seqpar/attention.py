@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .backends import AttentionBackend
+from .placement.masks import MaskSlices
 from .comm import refuse_double_backward
 from .parallel.hybrid import hybrid_backward, hybrid_forward
 from .prepare import (
@@ -84,6 +85,8 @@ def attention(
     chunk_size: int | None = None,
     replicated_prefix: int = 0,
     replicated_suffix: int = 0,
+    mask: MaskSlices | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over the whole sequence, computed from and returned as local shards.
 
@@ -117,6 +120,12 @@ def attention(
         replicated_prefix, replicated_suffix: the first / last ``T`` tokens of q, k, v are the
             same on every CP rank (text of joint attention; non-causal only); the rest is this
             rank's shard. The output keeps that layout, the replicated rows identical on every rank.
+        mask: a :class:`~seqpar.MaskSlices` (block-causal frames, prefix-LM, any union of
+            full/causal query x key rectangles, in global positions) instead of ``causal``,
+            ``window`` and ``chunk_size``; rows no slice covers give zeros.
+        alibi_slopes: ``(nheads,)`` slopes: ``-slope * |i - j|`` (global positions) is added to
+            the scaled, softcapped scores (flash-attn's semantics), with every mask. Constants: no
+            gradient flows to them.
 
     Returns:
         This rank's output shard in ``layout``, with q's shape and dtype except for the last dim,
@@ -141,13 +150,14 @@ def attention(
         return compiled_attention(
             q, k, v, state, causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
             seq_len=seq_len, window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
-            replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+            replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
+            alibi_slopes=alibi_slopes,
         )
     options = check_dense_options(
         causal=causal, softmax_scale=softmax_scale, layout=layout, seq_len=seq_len, window=window, softcap=softcap,
-        chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+        chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
     )
-    call = prepare_dense(q, k, v, state, options, backend, sinks)
+    call = prepare_dense(q, k, v, state, options, backend, sinks, alibi_slopes=alibi_slopes)
     return to_bshd(_Attention.apply(call.qb, call.kb, call.vb, sinks, call), layout)
 
 
@@ -234,8 +244,8 @@ class SequenceParallelAttention(nn.Module):
 
     Args:
         state, causal, softmax_scale, layout, backend, window, softcap, chunk_size,
-        replicated_prefix, replicated_suffix: as in :func:`attention`. Sinks are a tensor input
-        (usually a parameter of the surrounding module): pass them to :meth:`forward`.
+        replicated_prefix, replicated_suffix, mask: as in :func:`attention`. Sinks and ALiBi
+        slopes are tensor inputs (usually of the surrounding module): pass them to :meth:`forward`.
 
     Raises:
         ValueError: for a non-``ParallelState`` state, an unknown layout, or bad options; backend
@@ -256,6 +266,7 @@ class SequenceParallelAttention(nn.Module):
         chunk_size: int | None = None,
         replicated_prefix: int = 0,
         replicated_suffix: int = 0,
+        mask: MaskSlices | None = None,
     ) -> None:
         super().__init__()
         where = "SequenceParallelAttention"
@@ -263,7 +274,7 @@ class SequenceParallelAttention(nn.Module):
         check_dense_options(
             causal=causal, softmax_scale=softmax_scale, layout=layout, seq_len=None, window=window, softcap=softcap,
             chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
-            where=where,
+            where=where, mask=mask,
         )
         if not isinstance(backend, (str, AttentionBackend)):
             raise ValueError(f"{where}: backend must be a name or a backend, got {type(backend).__name__}")
@@ -271,14 +282,15 @@ class SequenceParallelAttention(nn.Module):
         self.options = dict(
             causal=causal, softmax_scale=softmax_scale, layout=layout, backend=backend,
             window=tuple(window), softcap=softcap, chunk_size=chunk_size,
-            replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+            replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
         )
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, seq_len: int | None = None, sinks: Tensor | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, seq_len: int | None = None, sinks: Tensor | None = None,
+        alibi_slopes: Tensor | None = None,
     ) -> Tensor:
         """:func:`attention` of the local shards ``q, k, v`` (shapes per ``layout``)."""
-        return attention(q, k, v, self.state, seq_len=seq_len, sinks=sinks, **self.options)
+        return attention(q, k, v, self.state, seq_len=seq_len, sinks=sinks, alibi_slopes=alibi_slopes, **self.options)
 
     def extra_repr(self) -> str:
         opts = {k: (v if isinstance(v, (str, int, float, bool, tuple, type(None))) else type(v).__name__)

@@ -148,3 +148,51 @@ def check_sinks(sinks: object, num_heads: int, like: torch.Tensor, where: str) -
         )
     if sinks.device != like.device:
         raise ValueError(f"{where}: sinks are on {sinks.device} but q is on {like.device}")
+
+
+def check_alibi_slopes(slopes: object, num_heads: int, like: torch.Tensor, where: str) -> torch.Tensor | None:
+    """``None``, or ``slopes`` as a detached float32 ``[H]`` tensor on ``like``'s device.
+
+    ALiBi slopes are constants of the model (Bloom, MPT, Falcon-ALiBi): no gradient flows to them
+    (``docs/masks.md``).
+
+    Raises:
+        ValueError: not a floating tensor of shape ``(H,)`` with finite values.
+    """
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or not slopes.dtype.is_floating_point:
+        raise ValueError(f"{where}: alibi_slopes must be a floating tensor of {num_heads} slopes, got {slopes!r:.80}")
+    if tuple(slopes.shape) != (num_heads,):
+        raise ValueError(
+            f"{where}: alibi_slopes must have one slope per query head, shape ({num_heads},), got "
+            f"{tuple(slopes.shape)}"
+        )
+    if slopes.device != like.device:
+        raise ValueError(f"{where}: alibi_slopes are on {slopes.device} but q is on {like.device}")
+    if slopes.device.type == "cpu" and not bool(torch.isfinite(slopes).all()):
+        raise ValueError(f"{where}: alibi_slopes must be finite, got {slopes.tolist()}")
+    return slopes.detach().to(torch.float32)
+
+
+def check_mask_slices(mask: object, causal: bool, window: tuple[int, int], chunk_size: int | None, where: str):
+    """``mask`` if it is None or a :class:`~seqpar.placement.MaskSlices` not combined with the band options.
+
+    Raises:
+        ValueError: another type, or ``mask`` together with ``causal``, ``window`` or ``chunk_size``.
+    """
+    from .placement.masks import MaskSlices
+
+    if mask is None:
+        return None
+    if not isinstance(mask, MaskSlices):
+        raise ValueError(
+            f"{where}: mask must be a seqpar.MaskSlices (or None), got {type(mask).__name__}; causal, "
+            "sliding-window and chunked attention are the causal=, window= and chunk_size= options"
+        )
+    if causal or window != (-1, -1) or chunk_size is not None:
+        raise ValueError(
+            f"{where}: mask= replaces causal/window/chunk_size; got mask with causal={causal}, "
+            f"window={window}, chunk_size={chunk_size} (express them as slices, or drop mask=)"
+        )
+    return mask

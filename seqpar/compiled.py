@@ -39,7 +39,7 @@ from torch import Tensor
 from .parallel.hybrid import hybrid_backward, hybrid_forward
 from .checks import check_mask_options, check_scale
 from .parallel.merge import accumulator_dtype
-from .placement import Mask
+from .placement import Mask, MaskSlices
 from .placement.sizes import check_seq_lens
 from .prepare import (
     PreparedCall,
@@ -77,16 +77,34 @@ def _meta(call: PreparedCall) -> Tensor:
     return torch.tensor([call.seq_lens[0], int(call.free is not None), *free], dtype=torch.long)
 
 
+def _slices_arg(slices: MaskSlices | None) -> list[int]:
+    """Mask slices as the operators take them: ``[qs, qe, ks, ke, kind]`` per slice, flattened
+    (kind 0 full, 1 causal); empty for no slices."""
+    if slices is None:
+        return []
+    return [x for (a, b), (c, d), k in zip(slices.q_ranges, slices.k_ranges, slices.kinds)
+            for x in (a, b, c, d, int(k == "causal"))]
+
+
+def _slices_from(arg: list[int]) -> MaskSlices | None:
+    if not arg:
+        return None
+    rows = [arg[i:i + 5] for i in range(0, len(arg), 5)]
+    return MaskSlices([r[:2] for r in rows], [r[2:4] for r in rows], ["causal" if r[4] else "full" for r in rows])
+
+
 def _rebuild(
     qb: Tensor, kb: Tensor, vb: Tensor, state: ParallelState, seq_lens: tuple[int, ...], free, causal: bool,
     window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str,
-    prefix: int = 0, suffix: int = 0,
+    prefix: int = 0, suffix: int = 0, slices: list[int] | None = None, alibi: Optional[Tensor] = None,
 ) -> PreparedCall:
     """The call a validated forward prepared, from its options and placement (no check, no collective)."""
-    mask = Mask(causal, tuple(window), chunk_size).normalised(max(seq_lens, default=0))
+    alibi = None if alibi is None else alibi.detach().to(torch.float32)
+    mask = Mask(causal, tuple(window), chunk_size, _slices_from(slices or []), alibi is not None)
+    mask = mask.normalised(max(seq_lens, default=0))
     resolved = resolve_backend(backend, qb, mask, softcap, "seqpar.compiled")
     scale = qb.shape[-1] ** -0.5 if scale is None else scale
-    return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, softcap, prefix, suffix)
+    return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, softcap, prefix, suffix, alibi)
 
 
 # --- seqpar::attention -------------------------------------------------------------------------
@@ -94,21 +112,22 @@ def _rebuild(
 
 @torch.library.custom_op("seqpar::attention", mutates_args=())
 def _attention_op(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], handle: str, layout: str, causal: bool,
-    window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int],
-    backend: str, prefix: int, suffix: int,
+    q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], alibi: Optional[Tensor], handle: str, layout: str,
+    causal: bool, window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float],
+    seq_len: Optional[int], backend: str, prefix: int, suffix: int, slices: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     options = check_dense_options(
         causal=causal, softmax_scale=scale, layout=layout, seq_len=seq_len, window=tuple(window), softcap=softcap,
-        chunk_size=chunk_size, replicated_prefix=prefix, replicated_suffix=suffix,
+        chunk_size=chunk_size, replicated_prefix=prefix, replicated_suffix=suffix, mask=_slices_from(slices),
     )
-    call = prepare_dense(q, k, v, state_from_handle(handle), options, backend, sinks)
+    call = prepare_dense(q, k, v, state_from_handle(handle), options, backend, sinks, alibi_slopes=alibi)
     out, lse_body, lse_replicated = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
     return to_bshd(out, layout).contiguous(), lse_body, lse_replicated, _meta(call)
 
 
 @_attention_op.register_fake
-def _(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend, prefix, suffix):
+def _(q, k, v, sinks, alibi, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend, prefix, suffix,
+      slices):
     B, H = to_bshd(q, layout).shape[0], to_bshd(q, layout).shape[2]
     lse_replicated = q.new_empty((B, H, prefix + suffix), dtype=accumulator_dtype(q.dtype))
     meta = torch.empty(2 + state_from_handle(handle).cp_size, dtype=torch.long, device="cpu")
@@ -117,15 +136,15 @@ def _(q, k, v, sinks, handle, layout, causal, window, chunk_size, softcap, scale
 
 @torch.library.custom_op("seqpar::attention_backward", mutates_args=())
 def _attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], out: Tensor, lse_body: Tensor,
-    lse_replicated: Tensor, meta: Tensor, handle: str, layout: str, causal: bool, window: list[int],
-    chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int], backend: str,
-    prefix: int, suffix: int,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], alibi: Optional[Tensor], out: Tensor,
+    lse_body: Tensor, lse_replicated: Tensor, meta: Tensor, handle: str, layout: str, causal: bool,
+    window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int],
+    backend: str, prefix: int, suffix: int, slices: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     m = meta.tolist()
     qb, kb, vb = (to_bshd(t, layout) for t in (q, k, v))
     call = _rebuild(qb, kb, vb, state_from_handle(handle), (m[0],), tuple(m[2:]) if m[1] else None, causal, window,
-                    chunk_size, softcap, scale, backend, prefix, suffix)
+                    chunk_size, softcap, scale, backend, prefix, suffix, slices, alibi)
     dq, dk, dv, dsinks = hybrid_backward(
         call.setup, to_bshd(dout, layout), qb, kb, vb, sinks, to_bshd(out, layout), lse_body, lse_replicated
     )
@@ -134,25 +153,26 @@ def _attention_backward_op(
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, sinks, out, lse_body, lse_replicated, meta, *options):
+def _(dout, q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta, *options):
     dsinks = torch.empty_like(sinks) if sinks is not None else q.new_zeros(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_attention(ctx, inputs, output) -> None:
-    q, k, v, sinks, *options = inputs
+    q, k, v, sinks, alibi, *options = inputs
     out, lse_body, lse_replicated, meta = output
-    ctx.save_for_backward(q, k, v, sinks, out, lse_body, lse_replicated, meta)
+    ctx.save_for_backward(q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta)
     ctx.options = options
     ctx.mark_non_differentiable(lse_body, lse_replicated, meta)
 
 
 def _attention_grad(ctx, dout, *_):
-    q, k, v, sinks, out, lse_body, lse_replicated, meta = ctx.saved_tensors
+    q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta = ctx.saved_tensors
     dq, dk, dv, dsinks = _attention_backward_op(
-        dout.contiguous(), q, k, v, sinks, out, lse_body, lse_replicated, meta, *ctx.options
+        dout.contiguous(), q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta, *ctx.options
     )
-    return (dq, dk, dv, dsinks if sinks is not None else None, *([None] * len(ctx.options)))
+    # No gradient for the ALiBi slopes (constants, docs/masks.md) nor for the options.
+    return (dq, dk, dv, dsinks if sinks is not None else None, None, *([None] * len(ctx.options)))
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_setup_attention)
@@ -225,6 +245,7 @@ def compiled_attention(
     q: Tensor, k: Tensor, v: Tensor, state: ParallelState, *, causal: object, softmax_scale: object,
     layout: object, backend: object, seq_len: object, window: object, softcap: object,
     sinks: Tensor | None, chunk_size: object, replicated_prefix: object, replicated_suffix: object,
+    mask: object = None, alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """:func:`seqpar.attention` as the ``seqpar::attention`` operator (Note [torch.compile]).
 
@@ -234,11 +255,12 @@ def compiled_attention(
     require_state(state, "seqpar.attention")
     o = check_dense_options(
         causal=causal, softmax_scale=softmax_scale, layout=layout, seq_len=seq_len, window=window, softcap=softcap,
-        chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix,
+        chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
     )
     out, _, _, _ = _attention_op(
-        q, k, v, sinks, state.handle, o.layout, o.causal, list(o.window), o.chunk_size, o.softcap,
+        q, k, v, sinks, alibi_slopes, state.handle, o.layout, o.causal, list(o.window), o.chunk_size, o.softcap,
         o.softmax_scale, o.seq_len, backend_name(backend, "seqpar.attention"), o.prefix, o.suffix,
+        _slices_arg(o.slices),
     )
     return out
 

@@ -45,19 +45,22 @@ import torch
 from torch import Tensor
 
 from .backends import KernelBackend, get_backend
-from .checks import check_gqa, check_mask_options, check_qkv, check_scale, check_sinks, check_value_shape
+from .checks import (
+    check_alibi_slopes, check_gqa, check_mask_options, check_mask_slices, check_qkv, check_scale, check_sinks,
+    check_value_shape,
+)
 from .comm import exchange_ints
 from .parallel.hybrid import HybridSetup
 from .parallel.replicated import ReplicatedSetup
 from .parallel.ring import RingSetup
 from .parallel.ulysses import UlyssesSetup
-from .placement import Mask, Placement, RingPlan, ring_plan
+from .placement import Mask, MaskSlices, Placement, RingPlan, ring_plan
 from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState, require_state
 
 __all__ = [
     "Layout", "LAYOUTS", "to_bshd", "DenseOptions", "PreparedCall", "check_dense_options", "prepare_dense",
-    "prepare_varlen", "build_call", "resolve_backend", "backend_name", "refuse_collectively", "collective_checks",
+    "prepare_varlen", "build_call", "resolve_backend", "check_slices_fit", "backend_name", "refuse_collectively", "collective_checks",
 ]
 
 Layout = Literal["bshd", "sbhd", "bhsd"]
@@ -92,11 +95,13 @@ class DenseOptions:
     prefix: int
     suffix: int
     seq_len: int | None
+    slices: MaskSlices | None = None
 
 
 def check_dense_options(
     *, causal: object, softmax_scale: object, layout: object, seq_len: object, window: object, softcap: object,
     chunk_size: object, replicated_prefix: object, replicated_suffix: object, where: str = "seqpar.attention",
+    mask: object = None,
 ) -> DenseOptions:
     """Validate the non-tensor options of :func:`seqpar.attention` before any conversion.
 
@@ -105,19 +110,20 @@ def check_dense_options(
             softcap or scale, an unknown layout, a non-int ``seq_len`` or replicated count.
     """
     causal, window, chunk_size, softcap = check_mask_options(causal, window, chunk_size, softcap, where)
+    slices = check_mask_slices(mask, causal, window, chunk_size, where)
     check_scale(softmax_scale, where)
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"{where}: unknown layout {layout!r}; valid layouts: {list(LAYOUTS)}")
     prefix = as_int(replicated_prefix, "replicated_prefix", where)
     suffix = as_int(replicated_suffix, "replicated_suffix", where)
-    if (prefix or suffix) and not Mask(causal, window, chunk_size).is_full:
+    if (prefix or suffix) and not Mask(causal, window, chunk_size, slices).is_full:
         raise ValueError(
             f"{where}: replicated_prefix/replicated_suffix (joint attention) need non-causal "
-            f"attention without window or chunks, got {Mask(causal, window, chunk_size).describe()}"
+            f"attention without window, chunks or mask slices, got {Mask(causal, window, chunk_size, slices).describe()}"
         )
     return DenseOptions(
         causal, window, chunk_size, softcap, None if softmax_scale is None else float(softmax_scale), layout,
-        prefix, suffix, None if seq_len is None else as_int(seq_len, "seq_len", where),
+        prefix, suffix, None if seq_len is None else as_int(seq_len, "seq_len", where), slices,
     )
 
 
@@ -165,10 +171,11 @@ def resolve_backend(backend: object, q: Tensor, mask: Mask, softcap: float, wher
     Raises:
         ValueError: an unknown name, a non-backend object, or a backend that cannot run the call.
     """
-    window = mask.window != (-1, -1)
+    # Mask slices make blocks with one-sided windows (Note [Mask slices]).
+    window = mask.window != (-1, -1) or mask.slices is not None
     if isinstance(backend, str):
         try:
-            return get_backend(backend, q.device, q.dtype, window=window, softcap=softcap > 0)
+            return get_backend(backend, q.device, q.dtype, window=window, softcap=softcap > 0, alibi=mask.alibi)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
     if not isinstance(backend, KernelBackend):
@@ -176,7 +183,7 @@ def resolve_backend(backend: object, q: Tensor, mask: Mask, softcap: float, wher
             f"{where}: backend must be a backend name (e.g. 'auto') or a seqpar KernelBackend, got "
             f"{type(backend).__name__}"
         )
-    reason = backend.unsupported_reason(q.device, q.dtype, window=window, softcap=softcap > 0)
+    reason = backend.unsupported_reason(q.device, q.dtype, window=window, softcap=softcap > 0, alibi=mask.alibi)
     if reason is not None:
         raise ValueError(f"{where}: backend {backend.name!r} cannot run this call: {reason}")
     return backend
@@ -185,15 +192,18 @@ def resolve_backend(backend: object, q: Tensor, mask: Mask, softcap: float, wher
 def build_call(
     qb: Tensor, kb: Tensor, vb: Tensor, state: ParallelState, seq_lens: tuple[int, ...],
     free: tuple[int, ...] | None, mask: Mask, backend: KernelBackend, scale: float, softcap: float,
-    prefix: int = 0, suffix: int = 0,
+    prefix: int = 0, suffix: int = 0, alibi: Tensor | None = None,
 ) -> PreparedCall:
     """The :class:`PreparedCall` of validated bshd tensors and a known placement (no checks, no
     collective): the last step of :func:`prepare_dense` / :func:`prepare_varlen`, and how the
     compiled backward rebuilds its forward's call. ``mask`` is already normalised for the longest
-    sequence (``Mask.normalised(max(seq_lens))``), as the backend was resolved for it."""
+    sequence (``Mask.normalised(max(seq_lens))``), as the backend was resolved for it; ``alibi``:
+    the checked ``[H]`` slopes when ``mask.alibi``."""
     R, U = state.ring_size, state.ulysses_size
     placement, plan = _cached_plan(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
-    ring = RingSetup(state.ring_group, plan, backend, scale, softcap, state.workspace)
+    if mask.alibi != (alibi is not None):
+        raise RuntimeError("seqpar internal error: ALiBi slopes and the mask's alibi flag disagree")
+    ring = RingSetup(state.ring_group, plan, backend, scale, softcap, state.workspace, alibi=alibi)
     ulysses = None
     if U > 1:
         ulysses = UlyssesSetup.build(
@@ -204,7 +214,7 @@ def build_call(
 
 
 _REFUSED = 2  # the problem code of a rank that refuses the call (refuse_collectively)
-_DENSE_SIGNATURE = 17  # ints in the signature of a dense call (see prepare_dense); shorter ones are padded
+_DENSE_SIGNATURE = 20  # ints in the signature of a dense call (see prepare_dense); shorter ones are padded
 
 
 def refuse_collectively(state: ParallelState, device: torch.device, seq_len: int | None, error: Exception) -> None:
@@ -306,9 +316,17 @@ def _dense_placement(
     )
 
 
+def _slopes_digest(slopes: Tensor | None) -> int:
+    """A 62-bit hash of the ALiBi slopes' values (-1 without), so ranks given other slopes disagree."""
+    if slopes is None:
+        return -1
+    data = slopes.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 62) - 1)
+
+
 def prepare_dense(
     q: Tensor, k: Tensor, v: Tensor, state: ParallelState, options: DenseOptions, backend: object,
-    sinks: Tensor | None, where: str = "seqpar.attention",
+    sinks: Tensor | None, where: str = "seqpar.attention", alibi_slopes: object = None,
 ) -> PreparedCall:
     """Validate the tensors of an :func:`seqpar.attention` call whose ``options`` are validated
     (:func:`check_dense_options`) and place its tokens (raises as :func:`seqpar.attention` does)."""
@@ -331,6 +349,12 @@ def prepare_dense(
     check_value_shape(kb.shape, vb.shape, "(B, S_local, Hkv)", where, context=f"{shapes()}: ")
     check_gqa(H, Hkv, where, context=f"{shapes()}: ")
     check_sinks(sinks, H, q, where)
+    slopes = check_alibi_slopes(alibi_slopes, H, q, where)
+    if slopes is not None and (o.prefix or o.suffix):
+        raise ValueError(
+            f"{where}: alibi_slopes with replicated_prefix/replicated_suffix: replicated tokens have "
+            "no global position, so the ALiBi distance is undefined"
+        )
     if o.prefix + o.suffix > S:
         raise ValueError(
             f"{where}: replicated_prefix={o.prefix} + replicated_suffix={o.suffix} exceed the {S} "
@@ -343,15 +367,32 @@ def prepare_dense(
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(o.causal), *o.window,
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
+            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes),
         ]
 
-    names = "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, seq_len)"
-    mask = Mask(o.causal, o.window, o.chunk_size)
+    names = (
+        "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, "
+        "seq_len, mask slices hash, ALiBi slopes hash)"
+    )
+    mask = Mask(o.causal, o.window, o.chunk_size, o.slices, slopes is not None)
     body = S - o.prefix - o.suffix
     seq_lens, free = _dense_placement(body, state, o.seq_len, mask, signature, names, q.device, where)
+    if o.slices is not None:
+        check_slices_fit(o.slices, seq_lens[0], where)
     mask = mask.normalised(seq_lens[0])
     resolved = resolve_backend(backend, q, mask, o.softcap, where)
-    return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, o.softcap, o.prefix, o.suffix)
+    return build_call(qb, kb, vb, state, seq_lens, free, mask, resolved, scale, o.softcap, o.prefix, o.suffix, slopes)
+
+
+def check_slices_fit(slices: MaskSlices, seq_len: int, where: str) -> None:
+    """Raise unless every slice lies within the ``seq_len`` positions of the sequence."""
+    q_end, k_end = slices.extent
+    if max(q_end, k_end) > seq_len:
+        raise ValueError(
+            f"{where}: the mask slices reach query position {q_end - 1} and key position {k_end - 1}, "
+            f"but the sequence has {seq_len} tokens; build the slices for the global length "
+            f"(e.g. MaskSlices.block_causal(frame sizes summing to {seq_len}))"
+        )
 
 
 def _seq_lens_digest(lens: tuple[int, ...]) -> list[int]:

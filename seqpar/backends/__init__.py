@@ -59,10 +59,12 @@ _AUTO_ORDER: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
-def _runnable(device: torch.device, dtype: torch.dtype, window: bool = False, softcap: bool = False) -> list[str]:
+def _runnable(
+    device: torch.device, dtype: torch.dtype, window: bool = False, softcap: bool = False, alibi: bool = False
+) -> list[str]:
     return [
         n for n, cls in _BACKENDS.items()
-        if cls.unsupported_reason(device, dtype, window=window, softcap=softcap) is None
+        if cls.unsupported_reason(device, dtype, window=window, softcap=softcap, alibi=alibi) is None
     ]
 
 
@@ -89,18 +91,18 @@ def available_backends(
     return [n for n in _BACKENDS if n in found]
 
 
-def _resolve_auto(device: torch.device, dtype: torch.dtype, window: bool, softcap: bool) -> str:
+def _resolve_auto(device: torch.device, dtype: torch.dtype, window: bool, softcap: bool, alibi: bool) -> str:
     kind = "half" if dtype in (torch.float16, torch.bfloat16) else "any"
     order = _AUTO_ORDER.get((device.type, kind)) or _AUTO_ORDER.get((device.type, "any"))
     for name in order or ("reference",):
-        if _BACKENDS[name].unsupported_reason(device, dtype, window=window, softcap=softcap) is None:
+        if _BACKENDS[name].unsupported_reason(device, dtype, window=window, softcap=softcap, alibi=alibi) is None:
             return name
     return "reference"
 
 
 def get_backend(
     name: str, device: torch.device | str, dtype: torch.dtype, *, window: bool = False,
-    softcap: bool = False,
+    softcap: bool = False, alibi: bool = False,
 ) -> KernelBackend:
     """The attention backend ``name`` for inputs on ``device`` with ``dtype``.
 
@@ -110,6 +112,7 @@ def get_backend(
         dtype: the dtype of q/k/v.
         window: the calls will use sliding windows (beyond plain causal).
         softcap: the calls will use logit softcapping.
+        alibi: the calls will add an ALiBi bias (Note [ALiBi blocks] in ``base.py``).
 
     Returns:
         A stateless backend object implementing :class:`AttentionBackend`.
@@ -121,27 +124,29 @@ def get_backend(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    return _get_backend(name, device, dtype, window, softcap)
+    return _get_backend(name, device, dtype, window, softcap, alibi)
 
 
 @functools.lru_cache(maxsize=128)
-def _get_backend(name: str, device: torch.device, dtype: torch.dtype, window: bool, softcap: bool) -> KernelBackend:
+def _get_backend(
+    name: str, device: torch.device, dtype: torch.dtype, window: bool, softcap: bool, alibi: bool = False
+) -> KernelBackend:
     """Cached :func:`get_backend` (backends are stateless)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if name == "auto":
-        name = _resolve_auto(device, dtype, window, softcap)
+        name = _resolve_auto(device, dtype, window, softcap, alibi)
     cls = _BACKENDS.get(name)
     if cls is None:
         raise ValueError(
             f"unknown attention backend {name!r} (device={device}, dtype={dtype}); "
             f"valid choices: {['auto', *_BACKENDS]}"
         )
-    reason = cls.unsupported_reason(device, dtype, window=window, softcap=softcap)
+    reason = cls.unsupported_reason(device, dtype, window=window, softcap=softcap, alibi=alibi)
     if reason is not None:
         raise ValueError(
             f"attention backend {name!r} cannot run on device={device} with dtype={dtype}: "
-            f"{reason}; valid choices here: {['auto', *_runnable(device, dtype, window, softcap)]}"
+            f"{reason}; valid choices here: {['auto', *_runnable(device, dtype, window, softcap, alibi)]}"
         )
     return cls()

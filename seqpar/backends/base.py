@@ -84,6 +84,8 @@ __all__ = [
     "packed_lse_from_padded",
     "padded_lse_from_packed",
     "tokens_of_empty_partner",
+    "Alibi",
+    "alibi_bias",
 ]
 
 Window = tuple[int, int]
@@ -106,6 +108,29 @@ def row_key_bounds(sq: int, sk: int, window: Window, device: torch.device | str 
     lower = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
     upper = (i + right).clamp(max=sk - 1) if right >= 0 else torch.full_like(i, sk - 1)
     return lower, upper
+
+
+Alibi = tuple[Tensor, int]
+"""``(slopes, offset)``: ALiBi on one dense block (Note [ALiBi blocks])."""
+
+
+def alibi_bias(alibi: Alibi, rows: slice, cols: slice, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The ALiBi bias ``[1, H, rows, cols]`` of rows ``rows`` and keys ``cols`` of one block.
+
+    Note [ALiBi blocks]
+    ~~~~~~~~~~~~~~~~~~~
+    ALiBi adds ``-slope_h * |p_i - p_j|`` to the scaled (and softcapped) score of query position
+    ``p_i`` and key position ``p_j`` (flash-attn's ``alibi_slopes``, on global positions). Every
+    block of an ALiBi plan holds consecutive positions on both sides, so with ``offset`` the
+    position of query row 0 minus that of key row 0, ``p_i - p_j = i - j + offset``. Backends
+    whose ``unsupported_reason(alibi=True)`` is None accept ``alibi=(slopes, offset)`` in their
+    dense ``kernel_forward`` / ``kernel_backward``; the bias is a constant (no slope gradient).
+    """
+    slopes, offset = alibi
+    i = torch.arange(rows.start, rows.stop, device=device)
+    j = torch.arange(cols.start, cols.stop, device=device)
+    dist = (i[:, None] - j[None, :] + offset).abs().to(dtype)
+    return -(slopes.to(device=device, dtype=dtype).view(1, -1, 1, 1) * dist)
 
 
 @runtime_checkable
@@ -339,7 +364,8 @@ class KernelBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(
-        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False,
+        alibi: bool = False,
     ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype`` with the features asked for,
         else why not."""

@@ -24,7 +24,9 @@ with an additive ``[rows, keys]`` mask (``-inf`` outside the window). A tile of 
 band of width ``W`` computes ``T x (T + W)`` scores for ``T x W`` useful ones, so ``T`` is about
 ``W / 4`` (at least 64, and within a mask budget): work and mask memory follow the band, not
 ``Sq x Sk``. The kernel has no softcap either:
-``"auto"`` picks the ``reference`` backend for softcapped attention on CPU.
+``"auto"`` picks the ``reference`` backend for softcapped attention on CPU. ALiBi (Note [ALiBi
+blocks] in ``base.py``) runs through the same tiles: the additive mask carries the bias, one plane
+per head, so a block with ALiBi is always tiled (rows bounded by the mask budget).
 
 Note [CPU varlen]
 ~~~~~~~~~~~~~~~~~
@@ -53,7 +55,9 @@ import torch
 from torch import Tensor
 
 from .base import (
+    Alibi,
     KernelBackend,
+    alibi_bias,
     Packing,
     Window,
     empty_forward,
@@ -289,8 +293,9 @@ def _effective_window(sq: int, sk: int, window: Window) -> Window:
     return left, right
 
 
-def _band_tiles(sq: int, sk: int, window: Window):
-    """``(rows, cols, mask rows/keys bool)`` per tile of rows that see a key (Note [CPU windows])."""
+def _band_tiles(sq: int, sk: int, window: Window, heads: int = 1):
+    """``(rows, cols, mask rows/keys bool)`` per tile of rows that see a key (Note [CPU windows]);
+    ``heads``: the additive mask has one plane per head (ALiBi), so tiles are that much smaller."""
     lower, upper = row_key_bounds(sq, sk, window)
     live = torch.nonzero(lower <= upper).flatten()
     if live.numel() == 0:
@@ -299,7 +304,9 @@ def _band_tiles(sq: int, sk: int, window: Window):
     width = int((upper[first:last] - lower[first:last]).max()) + 1
     # A tile of T rows computes T x (T + width) scores for T x width attended ones: T near a
     # quarter of the band keeps 80% of the work useful, within the mask budget.
-    rows = max(64, min(width // 4, _MASK_ELEMENTS // width))
+    rows = max(64, min(width // 4, _MASK_ELEMENTS // (width * heads)))
+    if heads > 1:  # ALiBi on a block without a window: tiles only bound the bias's memory
+        rows = max(16, min(last - first, _MASK_ELEMENTS // (width * heads)))
     for i0 in range(first, last, rows):
         i1 = min(last, i0 + rows)
         j0, j1 = int(lower[i0]), int(upper[i1 - 1]) + 1
@@ -308,8 +315,15 @@ def _band_tiles(sq: int, sk: int, window: Window):
         yield slice(i0, i1), slice(j0, j1), ok
 
 
-def _additive(ok: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf")).to(device)[None, None]
+def _additive(
+    ok: Tensor, dtype: torch.dtype, device: torch.device, alibi: Alibi | None = None,
+    rows: slice | None = None, cols: slice | None = None,
+) -> Tensor:
+    """The kernel's additive mask: ``-inf`` outside ``ok`` (``[1, 1, rows, keys]``), plus the ALiBi
+    bias of those rows and keys when given (``[1, H, rows, keys]``, Note [ALiBi blocks])."""
+    if alibi is None:
+        return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, float("-inf")).to(device)[None, None]
+    return alibi_bias(alibi, rows, cols, dtype, device).masked_fill_(~ok.to(device), float("-inf"))
 
 
 class CpuFlashBackend(KernelBackend):
@@ -320,7 +334,8 @@ class CpuFlashBackend(KernelBackend):
 
     @classmethod
     def unsupported_reason(
-        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False,
+        alibi: bool = False,
     ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
         if device.type != "cpu":
@@ -332,17 +347,18 @@ class CpuFlashBackend(KernelBackend):
         return None
 
     def kernel_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float,
+        alibi: Alibi | None = None,
     ) -> tuple[Tensor, Tensor]:
         sq, sk = q.shape[1], k.shape[1]
         window = _effective_window(sq, sk, window)
-        if window == (-1, -1) or (window == (-1, 0) and sq == sk):
+        if alibi is None and (window == (-1, -1) or (window == (-1, 0) and sq == sk)):
             return _kernel_forward(q, k, v, window == (-1, 0), scale)
         b, _, h, _ = q.shape
         out, lse = empty_forward(q, (b, h, sq), v.shape[-1])
-        for rows, cols, ok in _band_tiles(sq, sk, window):
+        for rows, cols, ok in _band_tiles(sq, sk, window, h if alibi is not None else 1):
             o, l = _kernel_forward(
-                q[:, rows], k[:, cols], v[:, cols], False, scale, _additive(ok, q.dtype, q.device)
+                q[:, rows], k[:, cols], v[:, cols], False, scale, _additive(ok, q.dtype, q.device, alibi, rows, cols)
             )
             out[:, rows] = o
             lse[..., rows] = l
@@ -350,18 +366,18 @@ class CpuFlashBackend(KernelBackend):
 
     def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        scale: float, window: Window, softcap: float,
+        scale: float, window: Window, softcap: float, alibi: Alibi | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         sq, sk = q.shape[1], k.shape[1]
         window = _effective_window(sq, sk, window)
         lse = lse_for_backward(lse, lse_dtype(q.dtype))
-        if window == (-1, -1) or (window == (-1, 0) and sq == sk):
+        if alibi is None and (window == (-1, -1) or (window == (-1, 0) and sq == sk)):
             return _kernel_backward(dout, q, k, v, out, lse, window == (-1, 0), scale)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for rows, cols, ok in _band_tiles(sq, sk, window):
+        for rows, cols, ok in _band_tiles(sq, sk, window, q.shape[2] if alibi is not None else 1):
             g_q, g_k, g_v = _kernel_backward(
                 dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
-                lse[..., rows].contiguous(), False, scale, _additive(ok, q.dtype, q.device),
+                lse[..., rows].contiguous(), False, scale, _additive(ok, q.dtype, q.device, alibi, rows, cols),
             )
             dq[:, rows] = g_q
             dk[:, cols] += g_k

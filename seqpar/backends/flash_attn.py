@@ -186,9 +186,15 @@ class FlashAttnBackend(KernelBackend):
 
     @classmethod
     def unsupported_reason(
-        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False,
+        alibi: bool = False,
     ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if alibi:
+            return (
+                "its kernel takes no per-block ALiBi bias on global positions; 'auto' picks 'reference' "
+                "for alibi_slopes on CUDA (docs/masks.md)"
+            )
         if device.type != "cuda":
             return f"it runs on CUDA only, not {device.type}"
         if not torch.cuda.is_available():

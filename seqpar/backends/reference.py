@@ -21,8 +21,10 @@ import itertools
 import torch
 from torch import Tensor
 
-from ..placement.masks import Mask
-from .base import KernelBackend, Packing, Window, check_dense, empty_forward, lse_dtype, row_key_bounds
+from ..placement.masks import Mask, MaskSlices
+from .base import (
+    Alibi, KernelBackend, Packing, Window, alibi_bias, check_dense, empty_forward, lse_dtype, row_key_bounds,
+)
 
 __all__ = ["reference_attention", "reference_varlen_attention", "ReferenceBackend"]
 
@@ -51,6 +53,8 @@ def reference_attention(
     softcap: float = 0.0,
     sinks: Tensor | None = None,
     return_lse: bool = False,
+    mask: MaskSlices | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax attention in plain differentiable torch ops, in the dtype of the inputs.
 
@@ -68,6 +72,9 @@ def reference_attention(
         softcap: scores become ``softcap * tanh(scores / softcap)`` when ``> 0``.
         sinks: ``(nheads,)`` logits joining every row's softmax denominator.
         return_lse: also return the log-sum-exp (sinks included).
+        mask: a :class:`~seqpar.placement.MaskSlices` on the positions (instead of ``causal``,
+            ``window``, ``chunk_size``).
+        alibi_slopes: ``(nheads,)``: ``-slope * |p_i - p_j|`` added to the (capped) scores.
 
     Returns:
         ``out`` ``(batch, seqlen_q, nheads, headdim_v)``; with ``return_lse`` also
@@ -82,7 +89,16 @@ def reference_attention(
     k, v = _expand_kv_heads(k, heads), _expand_kv_heads(v, heads)
     scores = _cap(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, softcap)
     pos_q = torch.arange(sq, device=q.device) + (sk - sq)
-    allowed = Mask(causal, window, chunk_size).allows(pos_q, torch.arange(sk, device=q.device))
+    pos_k = torch.arange(sk, device=q.device)
+    if alibi_slopes is not None:
+        dist = (pos_q[:, None] - pos_k[None, :]).abs().to(scores.dtype)
+        scores = scores - alibi_slopes.to(scores.dtype).view(1, heads, 1, 1) * dist
+    if mask is not None:
+        if causal or window != (-1, -1) or chunk_size is not None:
+            raise ValueError("reference_attention: pass either mask= or causal/window/chunk_size")
+        allowed = mask.allows(pos_q, pos_k)
+    else:
+        allowed = Mask(causal, window, chunk_size).allows(pos_q, pos_k)
     allowed = allowed.expand(b, heads, sq, sk)
     if sinks is not None:
         sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(b, heads, sq, 1)
@@ -159,7 +175,8 @@ class ReferenceBackend(KernelBackend):
 
     @classmethod
     def unsupported_reason(
-        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False,
+        alibi: bool = False,
     ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not (any feature)."""
         if not dtype.is_floating_point:
@@ -197,15 +214,19 @@ class ReferenceBackend(KernelBackend):
         return softcap * t, t
 
     def kernel_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float,
+        alibi: Alibi | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Explicit formulas in the accumulator dtype, tile by tile of query rows."""
+        """Explicit formulas in the accumulator dtype, tile by tile of query rows (ALiBi: Note
+        [ALiBi blocks] in ``base.py``)."""
         acc = lse_dtype(q.dtype)
         b, sq, heads, _ = q.shape
         out, lse = empty_forward(q, (b, heads, sq), v.shape[-1])
         kf, vf = _expand_kv_heads(k.to(acc), heads), _expand_kv_heads(v.to(acc), heads)
         for rows, cols, allowed in self._tiles(q, k, window):
             scores, _ = self._scores(q[:, rows].to(acc), kf[:, cols], scale, softcap)
+            if alibi is not None:
+                scores = scores + alibi_bias(alibi, rows, cols, acc, q.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
             tile_lse = torch.logsumexp(scores, dim=-1)  # [B, H, rows]
             safe = tile_lse.masked_fill(tile_lse == float("-inf"), float("inf"))
@@ -216,7 +237,7 @@ class ReferenceBackend(KernelBackend):
 
     def kernel_backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-        scale: float, window: Window, softcap: float,
+        scale: float, window: Window, softcap: float, alibi: Alibi | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Explicit formulas in the accumulator dtype, reading the given ``out`` and ``lse``."""
         acc = lse_dtype(q.dtype)
@@ -230,6 +251,8 @@ class ReferenceBackend(KernelBackend):
             qf, dof = q[:, rows].to(acc), dout[:, rows].to(acc)
             of = out[:, rows].to(q.dtype).to(acc)
             scores, tanh = self._scores(qf, kf[:, cols], scale, softcap)
+            if alibi is not None:
+                scores = scores + alibi_bias(alibi, rows, cols, acc, q.device)
             scores = scores.masked_fill(~allowed, float("-inf"))
             row_lse = lse[..., rows].to(acc)
             row_lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))

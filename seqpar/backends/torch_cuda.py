@@ -104,9 +104,15 @@ class TorchFlashBackend(KernelBackend):
 
     @classmethod
     def unsupported_reason(
-        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False,
+        alibi: bool = False,
     ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if alibi:
+            return (
+                "its kernel takes no per-block ALiBi bias on global positions; 'auto' picks 'reference' "
+                "for alibi_slopes on CUDA (docs/masks.md)"
+            )
         if softcap:
             return "PyTorch's bundled FlashAttention has no softcap (install flash-attn, or use 'reference')"
         if window and not _flash_has_window():
@@ -227,9 +233,15 @@ class TorchEfficientBackend(KernelBackend):
 
     @classmethod
     def unsupported_reason(
-        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False
+        cls, device: torch.device, dtype: torch.dtype, *, window: bool = False, softcap: bool = False,
+        alibi: bool = False,
     ) -> str | None:
         """``None`` if this backend runs on ``device``/``dtype``, else why not."""
+        if alibi:
+            return (
+                "its kernel takes no per-block ALiBi bias on global positions; 'auto' picks 'reference' "
+                "for alibi_slopes on CUDA (docs/masks.md)"
+            )
         if softcap:
             return "PyTorch's memory-efficient kernel has no softcap (use 'reference')"
         if window:

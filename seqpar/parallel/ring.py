@@ -59,6 +59,7 @@ class RingSetup:
     Attributes:
         group: the ring group; plan: this rank's :class:`~seqpar.placement.RingPlan`;
         backend, scale, softcap: the kernel and its scalar options;
+        alibi: ``[H]`` ALiBi slopes of this rank's query heads (Note [ALiBi blocks]), or None;
         workspace: reused transfer buffers (Note [Workspace]), or None to allocate per call;
         trace: a list to record the schedule's events in (tests), or None.
     """
@@ -70,6 +71,12 @@ class RingSetup:
     softcap: float
     workspace: Workspace | None = None
     trace: list | None = None
+    alibi: Tensor | None = None
+
+
+def _alibi(run: RingSetup, call) -> dict:
+    """The kernel's ALiBi keyword for a dense block call (empty without ALiBi)."""
+    return {} if run.alibi is None else {"alibi": (run.alibi, call.offset)}
 
 
 def _record(run: RingSetup, event: str, step: int) -> None:
@@ -121,7 +128,7 @@ def _call_forward(run: RingSetup, call, q: Tensor, k: Tensor, v: Tensor, cache: 
         rows = slice(call.q0, call.q1)
         out, lse = b.kernel_forward(
             q[:, rows], k[:, call.k0:call.k1], v[:, call.k0:call.k1], scale=run.scale,
-            window=call.window, softcap=run.softcap,
+            window=call.window, softcap=run.softcap, **_alibi(run, call),
         )
         return rows, out, lse
     out, lse = b.kernel_varlen_forward(
@@ -138,7 +145,7 @@ def _call_backward(run: RingSetup, call, dout, q, k, v, out, lse, cache: dict):
         rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
         grads = b.kernel_backward(
             dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows],
-            scale=run.scale, window=call.window, softcap=run.softcap,
+            scale=run.scale, window=call.window, softcap=run.softcap, **_alibi(run, call),
         )
         return (rows, cols, *grads)
     g_q, g_k, g_v = b.kernel_varlen_backward(
@@ -225,7 +232,9 @@ def ring_forward(
     out_shape = (B, L, H, v.shape[-1])
     if _single_block(run, q, k, extra_k):  # one process, or one Ulysses-inner step: the kernel alone
         call = steps[0].calls[0]
-        out, lse = run.backend.kernel_forward(q, k, v, scale=run.scale, window=call.window, softcap=run.softcap)
+        out, lse = run.backend.kernel_forward(
+            q, k, v, scale=run.scale, window=call.window, softcap=run.softcap, **_alibi(run, call)
+        )
         if sinks is not None:
             out, lse = add_sinks(out, lse.to(acc), sinks)
         return out, lse.to(acc)
@@ -287,7 +296,8 @@ def ring_backward(
     if _single_block(run, q, k, extra_k):
         call = steps[0].calls[0]
         dq, dk, dv = run.backend.kernel_backward(
-            dout, q, k, v, out, lse, scale=run.scale, window=call.window, softcap=run.softcap
+            dout, q, k, v, out, lse, scale=run.scale, window=call.window, softcap=run.softcap,
+            **_alibi(run, call),
         )
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
         return dq, dk, dv, dsinks, None, None

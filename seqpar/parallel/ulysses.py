@@ -10,6 +10,8 @@ are the plain functions ``seqpar.attention`` runs (through ``seqpar.parallel.hyb
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -272,6 +274,11 @@ def _place(heads: HeadAssignment, grad: Tensor | None, like: Tensor | None, kind
     return full
 
 
+def _my_slopes(run: RingSetup, mine) -> RingSetup:
+    """``run`` with its ALiBi slopes (one per query head of the call) cut to this rank's heads."""
+    return run if run.alibi is None else dataclasses.replace(run, alibi=mine.q_heads(run.alibi, 0))
+
+
 def ulysses_ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
     spec: UlyssesSetup, run: RingSetup,
@@ -292,6 +299,7 @@ def ulysses_ring_forward(
     mine = spec.mine
     q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
     if mine.q_len:
+        run = _my_slopes(run, mine)
         out_u, lse_u = ring_forward(
             q_u, _expand(mine, k_u), _expand(mine, v_u),
             None if sinks is None else mine.q_heads(sinks, 0),
@@ -317,6 +325,7 @@ def ulysses_ring_backward(
     q_u, k_u, v_u, out_u, dout_u = spec.to_heads([q, k, v, out, dout], "qkkqq", "ulysses.heads")
     dsinks = dek = dev = None
     if mine.q_len:
+        run = _my_slopes(run, mine)
         s = None if sinks is None else mine.q_heads(sinks, 0)
         ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
         ev = None if extra_v is None else mine.kv_heads(extra_v, 2)

@@ -10,7 +10,7 @@
 
 from .ring import RingPlan, ring_plan
 from .heads import HeadAssignment, head_assignments
-from .masks import Mask
+from .masks import Mask, MaskSlices
 from .layout import Placement
 from .sizes import check_seq_lens, offsets, split_sizes
 from .work import attention_work, imbalance
@@ -18,6 +18,7 @@ from .work import attention_work, imbalance
 __all__ = [
     "Placement",
     "Mask",
+    "MaskSlices",
     "HeadAssignment",
     "head_assignments",
     "RingPlan",

@@ -54,8 +54,9 @@ _NEG, _POS = -(1 << 60), 1 << 60
 @dataclass(frozen=True)
 class Tiles:
     """Blocks as int64 arrays ``[n]``: query rows ``[q0, q1)``, key rows ``[k0, k1)``, window
-    ``(wl, wr)`` (bottom-right aligned, ``-1`` unbounded) and wave class (blocks of one class can
-    share a varlen call)."""
+    ``(wl, wr)`` (bottom-right aligned, ``-1`` unbounded), wave class (blocks of one class can
+    share a varlen call) and, when the plan keeps positions (ALiBi), ``off``: the global position
+    of query row ``q0`` minus that of key row ``k0`` (rows of a block are consecutive positions)."""
 
     q0: Tensor
     q1: Tensor
@@ -64,12 +65,16 @@ class Tiles:
     wl: Tensor
     wr: Tensor
     wave: Tensor
+    off: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.q0.numel())
 
     def select(self, keep: Tensor) -> Tiles:
-        return Tiles(*(getattr(self, f)[keep] for f in ("q0", "q1", "k0", "k1", "wl", "wr", "wave")))
+        return Tiles(
+            *(getattr(self, f)[keep] for f in ("q0", "q1", "k0", "k1", "wl", "wr", "wave")),
+            None if self.off is None else self.off[keep],
+        )
 
     def key_ranges(self) -> list[tuple[int, int]]:
         """Sorted, merged ``(start, stop)`` key-row ranges the blocks read."""
@@ -87,13 +92,15 @@ class Tiles:
 
 @dataclass(frozen=True)
 class BlockCall:
-    """One dense kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)``."""
+    """One dense kernel call: query rows ``[q0, q1)`` against key rows ``[k0, k1)``; ``offset``:
+    global position of query row ``q0`` minus that of key row ``k0`` (used by ALiBi plans only)."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     window: tuple[int, int]
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,8 +211,9 @@ def _pieces(placement: Placement, ring_rank: int, chunk_size: int | None) -> _Pi
     return _Pieces(key, start, stop - start, row[idx] + start - pos[idx], run[idx])
 
 
-def _pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool) -> Tiles:
-    """The trimmed, merged blocks between query pieces ``qp`` and key pieces ``kp``."""
+def _pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool, hi_of_key: Tensor | None = None) -> Tiles:
+    """The trimmed, merged blocks between query pieces ``qp`` and key pieces ``kp``; with
+    ``hi_of_key`` (mask slices) the band's upper side is per group key, the lower one unbounded."""
     lo_b, hi_b = mask.band
     lo = _NEG if lo_b is None else lo_b
     hi = _POS if hi_b is None else hi_b
@@ -215,6 +223,8 @@ def _pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool) -> Tiles:
     qi = torch.repeat_interleave(torch.arange(qp.key.numel()), counts)
     ki = left[qi] + torch.arange(qi.numel()) - (torch.cumsum(counts, 0) - counts)[qi]
     nq, nk = qp.length[qi], kp.length[ki]
+    if hi_of_key is not None:
+        hi = hi_of_key[qp.key[qi]]
     delta = qp.pos[qi] - kp.pos[ki]
     lo_l, hi_l = lo + delta, hi + delta
     i0 = torch.clamp(-hi_l, min=0)
@@ -232,9 +242,13 @@ def _pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool) -> Tiles:
         q0=q0, q1=q0 + sq, k0=k0, k1=k0 + sk,
         wl=torch.where(left_on, sk - sq - lo_t, -1), wr=torch.where(right_on, hi_t - (sk - sq), -1),
         wave=_wave_class(qp.run[qi], kp.run[ki]),
+        off=(delta + i0 - j0) if mask.alibi else None,
     )
     if qi.numel() == 0:
         return tiles
+    if mask.alibi:  # blocks keep consecutive positions: no merging across pieces
+        tiles = tiles.select(alive)
+        return tiles.select(torch.argsort(tiles.q0 * (1 << 31) + tiles.k0, stable=True))
     # Groups (sequence, attention chunk) that collapse into one block (Note [Ring blocks]).
     group, inverse = torch.unique_consecutive(qp.key[qi], return_inverse=True)
     n_groups = group.numel()
@@ -323,7 +337,7 @@ def _remap(tiles: Tiles, ranges: list[tuple[int, int]]) -> Tiles:
     packed = torch.cumsum(lens, 0) - lens
     m = torch.searchsorted(starts, tiles.k0, right=True) - 1
     shift = packed[m] - starts[m]
-    return Tiles(tiles.q0, tiles.q1, tiles.k0 + shift, tiles.k1 + shift, tiles.wl, tiles.wr, tiles.wave)
+    return Tiles(tiles.q0, tiles.q1, tiles.k0 + shift, tiles.k1 + shift, tiles.wl, tiles.wr, tiles.wave, tiles.off)
 
 
 def _calls(tiles: Tiles, q_len: int, kv_len: int, varlen: bool) -> tuple[Call, ...]:
@@ -335,27 +349,55 @@ def _calls(tiles: Tiles, q_len: int, kv_len: int, varlen: bool) -> tuple[Call, .
     for g in range(groups.shape[0]):
         sel = tiles.select(inverse == g)
         window = (int(groups[g, 1]), int(groups[g, 2]))
-        if not varlen or len(sel) == 1:
+        if not varlen or len(sel) == 1 or sel.off is not None:
+            offs = sel.off.tolist() if sel.off is not None else [0] * len(sel)
             calls.extend(
-                BlockCall(a, b, c, d, window)
-                for a, b, c, d in zip(sel.q0.tolist(), sel.q1.tolist(), sel.k0.tolist(), sel.k1.tolist())
+                BlockCall(a, b, c, d, window, o)
+                for a, b, c, d, o in zip(sel.q0.tolist(), sel.q1.tolist(), sel.k0.tolist(), sel.k1.tolist(), offs)
             )
             continue
-        order = torch.argsort(sel.q0, stable=True)
-        sel = sel.select(order)
-        if not (bool((sel.k0[1:] >= sel.k1[:-1]).all()) and bool((sel.q0[1:] >= sel.q1[:-1]).all())):
-            raise RuntimeError("seqpar internal error: the tiles of one kernel call overlap")
-        gap_q = sel.q0 - torch.cat([sel.q0.new_zeros(1), sel.q1[:-1]])
-        gap_k = sel.k0 - torch.cat([sel.k0.new_zeros(1), sel.k1[:-1]])
-        zeros = torch.zeros_like(gap_q)
-        # Per block: (gap_q, 0), (0, gap_k), (block_q, block_k); then the trailing rows.
-        seg_q = torch.stack([gap_q, zeros, sel.q1 - sel.q0], 1).flatten()
-        seg_k = torch.stack([zeros, gap_k, sel.k1 - sel.k0], 1).flatten()
-        tail_q, tail_k = q_len - int(sel.q1[-1]), kv_len - int(sel.k1[-1])
-        seg_q = torch.cat([seg_q, torch.tensor([tail_q, 0])])
-        seg_k = torch.cat([seg_k, torch.tensor([0, tail_k])])
-        calls.append(SegmentCall.build(seg_q, seg_k, window))
+        order = torch.argsort(sel.q0 * (1 << 31) + sel.k0, stable=True)
+        for chain in _chains(sel.select(order)):
+            calls.append(chain if isinstance(chain, BlockCall) else _segment_call(chain, q_len, kv_len, window))
     return tuple(calls)
+
+
+def _chains(sel: Tiles) -> list:
+    """Tiles (sorted by query row) cut into chains whose query rows and key rows both increase
+    without overlap (greedy, first chain that fits); a chain of one tile is a :class:`BlockCall`.
+    Band masks give one chain per wave class; the cells of mask slices may give several."""
+    chains: list[list[int]] = []
+    ends: list[tuple[int, int]] = []
+    q0, q1, k0, k1 = (t.tolist() for t in (sel.q0, sel.q1, sel.k0, sel.k1))
+    for t in range(len(sel)):
+        for c, (eq, ek) in enumerate(ends):
+            if q0[t] >= eq and k0[t] >= ek:
+                chains[c].append(t)
+                ends[c] = (q1[t], k1[t])
+                break
+        else:
+            chains.append([t])
+            ends.append((q1[t], k1[t]))
+    window = (int(sel.wl[0]), int(sel.wr[0])) if len(sel) else (-1, -1)
+    return [
+        BlockCall(q0[c[0]], q1[c[0]], k0[c[0]], k1[c[0]], window) if len(c) == 1
+        else sel.select(torch.tensor(c, dtype=torch.long))
+        for c in chains
+    ]
+
+
+def _segment_call(sel: Tiles, q_len: int, kv_len: int, window: tuple[int, int]) -> SegmentCall:
+    """One varlen call over a chain of tiles (query and key rows both increasing)."""
+    gap_q = sel.q0 - torch.cat([sel.q0.new_zeros(1), sel.q1[:-1]])
+    gap_k = sel.k0 - torch.cat([sel.k0.new_zeros(1), sel.k1[:-1]])
+    zeros = torch.zeros_like(gap_q)
+    # Per block: (gap_q, 0), (0, gap_k), (block_q, block_k); then the trailing rows.
+    seg_q = torch.stack([gap_q, zeros, sel.q1 - sel.q0], 1).flatten()
+    seg_k = torch.stack([zeros, gap_k, sel.k1 - sel.k0], 1).flatten()
+    tail_q, tail_k = q_len - int(sel.q1[-1]), kv_len - int(sel.k1[-1])
+    seg_q = torch.cat([seg_q, torch.tensor([tail_q, 0])])
+    seg_k = torch.cat([seg_k, torch.tensor([0, tail_k])])
+    return SegmentCall.build(seg_q, seg_k, window)
 
 
 def _all_tiles(placement: Placement, q_rank: int, k_rank: int, mask: Mask) -> Tiles:
@@ -368,9 +410,32 @@ def _all_tiles(placement: Placement, q_rank: int, k_rank: int, mask: Mask) -> Ti
         nq, nk = placement.ring_lengths[q_rank], placement.ring_lengths[k_rank]
         t = torch.tensor([0] if nq and nk else [], dtype=torch.long)
         return Tiles(t, t + nq, t, t + nk, t - 1, t - 1, t * 0)
+    if mask.slices is not None:
+        return _slice_tiles(placement, q_rank, k_rank, mask)
     qp = _pieces(placement, q_rank, mask.chunk_size)
     kp = qp if q_rank == k_rank else _pieces(placement, k_rank, mask.chunk_size)
     return _pair_tiles(qp, kp, mask, q_rank == k_rank)
+
+
+def _cut(p: _Pieces, lo: Tensor, hi: Tensor) -> _Pieces:
+    """The parts of pieces ``p`` inside each cell's position range ``[lo[c], hi[c])``, keyed by
+    the cell ``c`` (sorted by cell)."""
+    start = torch.maximum(p.pos[None, :], lo[:, None])
+    stop = torch.minimum((p.pos + p.length)[None, :], hi[:, None])
+    c, i = torch.nonzero(stop > start, as_tuple=True)
+    a = start[c, i]
+    return _Pieces(c, a, stop[c, i] - a, p.row[i] + a - p.pos[i], p.run[i])
+
+
+def _slice_tiles(placement: Placement, q_rank: int, k_rank: int, mask: Mask) -> Tiles:
+    """Blocks of a :class:`MaskSlices` mask (one dense sequence): every piece cut into the cells of
+    Note [Mask slices]; a query part and a key part meet in their cell's band ``j - i <= hi``."""
+    cells = torch.tensor(
+        [(a, b, c, d, _POS if h is None else h) for a, b, c, d, h in mask.slices.cells()], dtype=torch.long
+    ).view(-1, 5)
+    qp = _cut(_pieces(placement, q_rank, None), cells[:, 0], cells[:, 1])
+    kp = _cut(_pieces(placement, k_rank, None), cells[:, 2], cells[:, 3])
+    return _pair_tiles(qp, kp, mask, q_rank == k_rank, hi_of_key=cells[:, 4])
 
 
 def ring_plan(placement: Placement, ring_rank: int, mask: Mask, *, varlen: bool) -> RingPlan:
@@ -413,8 +478,8 @@ def split_wide_blocks(calls: tuple[Call, ...] | list[Call]) -> list[Call]:
     for call in calls:
         if isinstance(call, BlockCall) and call.window == (-1, -1) and call.k1 - call.k0 >= SPLIT_KEYS_FROM:
             mid = (call.k0 + call.k1) // 2
-            out += [BlockCall(call.q0, call.q1, call.k0, mid, call.window),
-                    BlockCall(call.q0, call.q1, mid, call.k1, call.window)]
+            out += [BlockCall(call.q0, call.q1, call.k0, mid, call.window, call.offset),
+                    BlockCall(call.q0, call.q1, mid, call.k1, call.window, call.offset - (mid - call.k0))]
         else:
             out.append(call)
     return out
