@@ -49,9 +49,10 @@ collectively, so that a rank whose lengths happen to match does not go on alone)
 whose context length equals the local length on *every* rank cannot be told from self-attention
 by shapes: such calls must be wrapped in :func:`local_sdpa`. Joint attention over replicated text tokens
 concatenated with sharded image tokens (Flux, SD3) is exact with ``replicated_prefix`` /
-``replicated_suffix`` (Note [Replicated tokens]); an ``attn_mask`` is refused (it would have to be
-a mask over the global sequence: use ``is_causal``, or call ``seqpar.attention`` with ``window`` /
-``chunk_size``).
+``replicated_suffix`` (Note [Replicated tokens]). A boolean ``attn_mask`` over the *global* sequence
+whose rows each attend one key range (block-causal frames, a prefix-LM prompt) runs exactly as
+:class:`~seqpar.MaskSlices`; any other mask is refused (use ``is_causal``, or ``seqpar.attention``
+with ``window`` / ``chunk_size`` / ``mask``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
+from .placement.masks import MaskSlices
 from .placement.sizes import as_int
 from .state import ParallelState, require_state
 
@@ -105,6 +107,39 @@ def _original_sdpa():
     return _PATCH["original"]
 
 
+def _global_mask(
+    attn_mask: Tensor, query: Tensor, is_causal: bool, seq_len: int | None, state: ParallelState
+) -> tuple[MaskSlices, int]:
+    """``(slices, S)`` of a boolean ``attn_mask`` over the global sequence of ``S`` tokens."""
+    where = "parallel_sdpa"
+    if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
+        got = attn_mask.dtype if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+        raise ValueError(
+            f"{where}: attn_mask must be a boolean mask over the global sequence, got {got}; an additive "
+            "float mask cannot be checked to be a pattern seqpar runs exactly: pass a bool mask, "
+            "is_causal=True, or seqpar.attention with window= / chunk_size= / mask=seqpar.MaskSlices(...)"
+        )
+    if is_causal:
+        raise ValueError(f"{where}: attn_mask and is_causal=True together (SDPA refuses them too)")
+    if attn_mask.dim() < 2 or attn_mask.shape[-1] != attn_mask.shape[-2]:
+        raise ValueError(f"{where}: attn_mask {tuple(attn_mask.shape)} must end in a square (S, S) over the global sequence")
+    S, s_q = attn_mask.shape[-1], query.shape[-2]
+    if state.cp_size > 1 and S == s_q:
+        raise ValueError(
+            f"{where}: attn_mask is ({S}, {S}), the size of this rank's {s_q} local tokens; on sequence "
+            "shards the mask must cover the global sequence (S x S, the same on every rank)"
+        )
+    if seq_len is not None and seq_len != S:
+        raise ValueError(f"{where}: attn_mask covers {S} tokens but seq_len={seq_len}")
+    flat = attn_mask.reshape(-1, S, S)
+    if flat.shape[0] > 1 and not bool((flat == flat[:1]).all()):
+        raise ValueError(
+            f"{where}: attn_mask {tuple(attn_mask.shape)} differs between batch rows or heads; only one "
+            "mask for the whole call runs on shards"
+        )
+    return MaskSlices.from_bool(flat[0], where=where), S
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -128,7 +163,11 @@ def scaled_dot_product_attention(
             along the sequence dim of the tokens the projections ran on).
         key: ``(..., Hkv, S_local, D)``, the shard of the same global sequence.
         value: ``(..., Hkv, S_local, Dv)``.
-        attn_mask: must be ``None`` (no masks over shards).
+        attn_mask: ``None``, or a boolean mask over the *global* sequence, ``(S, S)`` (leading
+            dims of one, or identical for every batch row and head), whose rows each attend one
+            contiguous key range: block-causal video frames, a prefix-LM prompt, causal staircases.
+            It runs exactly as :class:`~seqpar.MaskSlices` (``MaskSlices.from_bool``); any other
+            mask raises (``docs/masks.md``).
         dropout_p: must be ``0.0`` (SDPA applies dropout whenever ``dropout_p > 0``, even in
             eval mode; dropout is not supported on shards).
         is_causal: causal over the *global* sequence (as SDPA on the unsharded sequence).
@@ -146,17 +185,15 @@ def scaled_dot_product_attention(
         input dtype. Gradients follow seqpar's partial-gradient convention.
 
     Raises:
-        ValueError: a non-``None`` ``attn_mask``; ``enable_gqa=False`` with ``Hkv != H``;
+        ValueError: an ``attn_mask`` that is not such a global boolean mask; ``enable_gqa=False``
+            with ``Hkv != H``;
             ``H % Hkv != 0``; fewer than 3 dims; leading dims or query/key lengths that differ
             (cross-attention to replicated context belongs in :func:`local_sdpa`).
         NotImplementedError: ``dropout_p > 0``.
     """
+    slices = None
     if attn_mask is not None:
-        raise ValueError(
-            "parallel_sdpa: attn_mask is not supported on sequence shards (a mask would have to "
-            "cover the global sequence); use is_causal=True for causal attention, or run this call "
-            "inside seqpar.sdpa.local_sdpa() if it is not sequence-parallel"
-        )
+        slices, seq_len = _global_mask(attn_mask, query, is_causal, seq_len, state)
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"parallel_sdpa: dropout_p={dropout_p} is not supported on sequence shards; set the "
@@ -213,6 +250,7 @@ def scaled_dot_product_attention(
         seq_len=seq_len,
         replicated_prefix=replicated_prefix,
         replicated_suffix=replicated_suffix,
+        mask=slices,
     )
     return out.reshape(*lead, *out.shape[1:])
 

@@ -293,7 +293,7 @@ def test_patch_restored_exactly_and_nests():
                 q, k, v = _qkv()
                 mask = torch.zeros(9, 9, dtype=torch.float64)
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # plain SDPA accepts masks
-            with pytest.raises(ValueError, match="attn_mask is not supported"):
+            with pytest.raises(ValueError, match="additive float mask cannot be checked"):
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         assert F.scaled_dot_product_attention is patched
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
@@ -364,9 +364,13 @@ def test_unsupported_arguments_raise():
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
         with torch.no_grad(), pytest.raises(NotImplementedError, match="dropout"):
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
-        with pytest.raises(ValueError, match="attn_mask is not supported"):
+        holes = torch.ones(9, 9, dtype=torch.bool)
+        holes[4, 2] = False
+        with pytest.raises(ValueError, match="row 4 of the 9x9 mask attends 8 keys that are not one contiguous"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=holes, enable_gqa=True)
+        with pytest.raises(ValueError, match="differs between batch rows"):
             F.scaled_dot_product_attention(
-                q, k, v, attn_mask=torch.ones(9, 9, dtype=torch.bool), enable_gqa=True
+                q, k, v, attn_mask=torch.stack([torch.ones(9, 9, dtype=torch.bool), holes.tril()]), enable_gqa=True
             )
         with pytest.raises(ValueError, match="local_sdpa"):
             F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], enable_gqa=True)
@@ -487,7 +491,56 @@ def test_contexts_exit_in_any_order():
     outer.__enter__()
     inner.__enter__()
     outer.__exit__(None, None, None)
-    with pytest.raises(ValueError, match="attn_mask is not supported"):  # still seqpar
+    with pytest.raises(ValueError, match="additive float mask"):  # still seqpar
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     inner.__exit__(None, None, None)
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# ---------------------------------------------------------------------------------------------
+# Boolean masks over the global sequence: block-causal frames and prefix-LM run exactly.
+
+
+def _bool_mask_case(state: ParallelState, c: dict) -> float:
+    S, (H, Hkv) = c["S"], c["heads"]
+    gen = torch.Generator().manual_seed(c["seed"])
+    full = [torch.randn(2, h, S, 8, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+    mask = c["mask"]
+    leaves = [t.clone().requires_grad_() for t in full[:3]]
+    ref = ORIGINAL_SDPA(*leaves, attn_mask=mask, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, leaves, full[3])
+    mine = [seqpar.shard(t, state, dim=2).requires_grad_() for t in full[:3]]
+    with parallel_sdpa(state):
+        out = F.scaled_dot_product_attention(*mine, attn_mask=mask[None, None].expand(2, H, S, S), enable_gqa=True)
+    grads = [g.clone() for g in torch.autograd.grad(out, mine, seqpar.shard(full[3], state, dim=2))]
+    err = (out - seqpar.shard(ref.detach(), state, dim=2)).abs().max().item()
+    for g, r in zip(grads, ref_grads):
+        full_g = seqpar.unshard(g, state, dim=2, size=S)
+        err = max(err, (full_g - r).abs().max().item())
+    return err
+
+
+def _bool_mask_rank(cases):
+    states, errs = {}, []
+    for c in cases:
+        if c["RU"] not in states:
+            states[c["RU"]] = ParallelState(*c["RU"])
+        errs.append(_bool_mask_case(states[c["RU"]], c))
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bool_block_causal_and_prefix_masks_are_exact(pools, world):
+    from seqpar import MaskSlices
+
+    configs = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)], 4: [(2, 2), (4, 1)]}[world]
+    cases = []
+    for i, RU in enumerate(configs):
+        S = (37, 41)[i % 2]
+        pos = torch.arange(S)
+        frames = MaskSlices.block_causal([7, 3, 11, 1, S - 22]).allows(pos, pos)
+        prefix = MaskSlices.prefix_lm(S, 9).allows(pos, pos)
+        for j, mask in enumerate((frames, prefix)):
+            cases.append(dict(RU=RU, S=S, mask=mask, heads=((6, 2), (3, 1))[j], seed=10 * i + j))
+    for errs in pools(world).run(_bool_mask_rank, cases):
+        assert max(errs) < 1e-10, errs

@@ -276,6 +276,64 @@ class MaskSlices:
             return cls([(0, S)], [(0, S)], ["full"])
         return cls([(0, S), (P, S)], [(0, P), (P, S)], ["full", "causal"])
 
+    @classmethod
+    def from_bool(cls, mask: Tensor, *, max_slices: int = 512, where: str = "MaskSlices.from_bool") -> MaskSlices:
+        """The slices of a boolean ``[S, S]`` mask (``True``: attend) whose every row attends one
+        contiguous key range -- block-causal, prefix-LM, causal, any staircase of full and causal
+        runs. Rows are grouped into runs that are one full or one causal slice each.
+
+        Raises:
+            ValueError: not a 2-D square bool tensor, a row whose keys are not one contiguous
+                range, or more than ``max_slices`` runs (a sliding window is ``window=``).
+        """
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != mask.shape[1]:
+            got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"{where}: expected a square [S, S] boolean mask, got {got}")
+        m = mask.detach().to("cpu")
+        S = m.shape[0]
+        cols = torch.arange(S)
+        count = m.sum(1)
+        lo = torch.where(count > 0, torch.where(m, cols, S).amin(1), 0)
+        hi = torch.where(count > 0, torch.where(m, cols, -1).amax(1) + 1, 0)
+        bad = torch.nonzero((count > 0) & (hi - lo != count)).flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"{where}: row {i} of the {S}x{S} mask attends {int(count[i])} keys that are not one "
+                f"contiguous range (first {int(lo[i])}, last {int(hi[i]) - 1}); only masks whose rows each "
+                "attend one key range (block-causal, prefix-LM, causal staircases) run as mask slices"
+            )
+        lo_l, hi_l, n_l = lo.tolist(), hi.tolist(), count.tolist()
+        q, k, kinds = [], [], []
+        i = 0
+        while i < S:
+            if n_l[i] == 0:
+                i += 1
+                continue
+            # A run of rows with the same key start and either the same end (full) or an end that
+            # grows with the row (causal, bottom-right aligned).
+            j = i + 1
+            while j < S and n_l[j] and lo_l[j] == lo_l[i] and hi_l[j] == hi_l[i]:
+                j += 1
+            kind = "full"
+            if j == i + 1:
+                while j < S and n_l[j] and lo_l[j] == lo_l[i] and hi_l[j] - j == hi_l[i] - i:
+                    j += 1
+                kind = "causal" if j > i + 1 else "full"
+            q.append((i, j))
+            k.append((lo_l[i], hi_l[j - 1]))
+            kinds.append(kind)
+            if len(q) > max_slices:
+                raise ValueError(
+                    f"{where}: the {S}x{S} mask needs more than {max_slices} slices (rows change their key "
+                    "range almost every row, e.g. a sliding window); pass window= / chunk_size= to "
+                    "seqpar.attention instead"
+                )
+            i = j
+        if not q:
+            raise ValueError(f"{where}: the {S}x{S} mask attends nothing")
+        return cls(q, k, kinds)
+
     @property
     def extent(self) -> tuple[int, int]:
         """``(largest query stop, largest key stop)``: the sequence must be at least this long."""
