@@ -152,7 +152,7 @@ def _refuse_attention_class_table(model: nn.Module, name: str) -> None:
         NotImplementedError: on every rank alike (no communication), naming the model and the table.
     """
     cls = type(model)
-    code = vars(sys.modules.get(cls.__module__, object()))
+    code = getattr(sys.modules.get(cls.__module__), "__dict__", {})
     tables = [k for k, v in code.items() if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict) and name not in v]
     if tables and _computes_attention_itself(cls):
         raise NotImplementedError(
