@@ -105,6 +105,7 @@ def _guard(model: nn.Module) -> None:
     name = getattr(model.config, "_attn_implementation", None)
     if binding(name) is None:
         return
+    _refuse_attention_class_table(model, name)
     handle = model.register_forward_pre_hook(functools.partial(check_call, name=name), with_kwargs=True)
     object.__setattr__(model, _GUARD, (name, handle))
 
@@ -140,6 +141,26 @@ def _computes_attention_itself(cls: type) -> bool:
         return False
     defines = re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.MULTILINE) is not None
     return defines and "ALL_ATTENTION_FUNCTIONS" not in code
+
+
+def _refuse_attention_class_table(model: nn.Module, name: str) -> None:
+    """Refuse, while it is built, a model that computes attention itself and picks its attention
+    class from a table keyed by implementation name (Falcon's ``FALCON_ATTENTION_CLASSES``, GPT-J's
+    ``GPTJ_ATTENTION_CLASSES``): its build would otherwise fail with a ``KeyError`` naming ``name``.
+
+    Raises:
+        NotImplementedError: on every rank alike (no communication), naming the model and the table.
+    """
+    cls = type(model)
+    code = getattr(sys.modules.get(cls.__module__), "__dict__", {})
+    tables = [k for k, v in code.items() if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict) and name not in v]
+    if tables and _computes_attention_itself(cls):
+        raise NotImplementedError(
+            f"seqpar: {cls.__name__} computes attention itself instead of calling transformers' attention "
+            f"interface (it picks its attention module from {tables[0]}, which has no {name!r}), so "
+            "seqpar cannot run it on sequence shards; build it with attn_implementation='eager' or "
+            "'sdpa' on one device. The families seqpar runs are in docs/models.md"
+        )
 
 
 # Layers that mix tokens along the sequence without transformers' attention interface: state-space

@@ -16,14 +16,43 @@ score modifier (checked against transformers 5.23)::
 
 Every config has 2 layers, hidden size 32, 4 query and 2 K/V heads of head dim 8, window or chunk
 8, attention dropout 0, no KV cache, and weights initialised large enough (std 0.1) that scores
-reach Gemma 2's softcaps (1.0). Imports transformers only when called.
+reach Gemma 2's softcaps (1.0).
+
+Two more groups, with their own fields (not the ones above), for the family table of
+docs/models.md: ``HF_MLA_FAMILIES``, key and value heads of different sizes (MLA), which run
+exactly under ``register(state)``::
+
+    family                class                         attention
+    deepseek_v2           DeepseekV2ForCausalLM         MLA: q/kv LoRA, 3 heads, key dim 10, value dim 5
+    deepseek_v3           DeepseekV3ForCausalLM         the same, interleaved RoPE
+    mimo_v2_flash         MiMoV2FlashForCausalLM        6 heads, GQA 6/1 (full) and 6/2 + sinks (sliding 8),
+                                                        key dim 8, value dim 4, value scale
+
+Their MLPs are dense (``first_k_dense_replace=2``, ``mlp_layer_types``): the MoE routers of these
+families compute their logits in float32, whose matrix products round differently for different
+numbers of tokens, so a model on shards differs from the same model on one device by ~1e-8
+outside attention; ``n_routed_experts`` etc. are set, for ``first_k_dense_replace=1`` (MoE).
+
+and ``HF_REFUSED_FAMILIES``, families ``register(state)`` refuses (docs/models.md says why)::
+
+    bloom                 BloomForCausalLM              ALiBi, computed in its own attention module
+    mpt                   MptForCausalLM                ALiBi as a position bias, own attention module
+    falcon_alibi          FalconForCausalLM             ALiBi (bfloat16 slopes), own attention module
+    falcon_rope           FalconForCausalLM             RoPE, multi-query, own attention module (SDPA)
+    falcon_new_alibi      FalconForCausalLM             new decoder architecture, ALiBi, GQA 4/2
+    falcon_new_rope       FalconForCausalLM             new decoder architecture, RoPE, GQA 4/2
+    gptj                  GPTJForCausalLM               partial interleaved RoPE, own attention module
+    t5                    T5ForConditionalGeneration    relative position bias (encoder-decoder)
+
+MoE layers need ``experts_implementation="eager"`` in float64 (the grouped kernels take half and
+float32 only). Imports transformers only when called.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HF_FAMILIES", "causal_lm_class", "tiny_hf_config"]
+__all__ = ["HF_FAMILIES", "HF_MLA_FAMILIES", "HF_REFUSED_FAMILIES", "causal_lm_class", "tiny_hf_config"]
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=32,
@@ -95,11 +124,76 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 HF_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
+_MLA: dict[str, Any] = dict(
+    hidden_size=36, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=None, intermediate_size=48,
+    q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=16,
+    first_k_dense_replace=2, n_group=1, topk_group=1,
+    attention_dropout=0.0, use_cache=False, max_position_embeddings=512, initializer_range=0.1,
+)
+_FALCON: dict[str, Any] = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0,
+    use_cache=False, initializer_range=0.1,
+)
+# family -> (model class, config class, every field but vocab_size): no _COMMON, names differ.
+_OWN: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", _MLA),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", _MLA),
+    "mimo_v2_flash": (
+        "MiMoV2FlashForCausalLM",
+        "MiMoV2FlashConfig",
+        dict(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=1, head_dim=8,
+            v_head_dim=4, sliding_window=8, layer_types=["full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "dense"],
+            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            attention_dropout=0.0, use_cache=False, max_position_embeddings=512, initializer_range=0.1,
+        ),
+    ),
+    "bloom": (
+        "BloomForCausalLM", "BloomConfig",
+        dict(hidden_size=32, n_layer=2, n_head=4, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False,
+             initializer_range=0.1),
+    ),
+    "mpt": (
+        "MptForCausalLM", "MptConfig",
+        dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128, use_cache=False,
+             initializer_range=0.1),
+    ),
+    "falcon_alibi": (
+        "FalconForCausalLM", "FalconConfig",
+        dict(_FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True),
+    ),
+    "falcon_rope": ("FalconForCausalLM", "FalconConfig", dict(_FALCON, alibi=False, multi_query=True)),
+    "falcon_new_alibi": (
+        "FalconForCausalLM", "FalconConfig",
+        dict(_FALCON, alibi=True, new_decoder_architecture=True, num_kv_heads=2),
+    ),
+    "falcon_new_rope": (
+        "FalconForCausalLM", "FalconConfig",
+        dict(_FALCON, alibi=False, new_decoder_architecture=True, num_kv_heads=2),
+    ),
+    "gptj": (
+        "GPTJForCausalLM", "GPTJConfig",
+        dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_inner=64, n_positions=512, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
+             resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False, initializer_range=0.1),
+    ),
+    "t5": (
+        "T5ForConditionalGeneration", "T5Config",
+        dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False,
+             decoder_start_token_id=0),
+    ),
+}
+HF_MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "mimo_v2_flash")
+HF_REFUSED_FAMILIES: tuple[str, ...] = tuple(f for f in _OWN if f not in HF_MLA_FAMILIES)
+
 
 def _check_family(family: str) -> tuple[str, str, dict[str, Any]]:
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; valid families: {list(HF_FAMILIES)}")
-    return _FAMILIES[family]
+    if family in _FAMILIES:
+        return _FAMILIES[family]
+    if family in _OWN:
+        return _OWN[family]
+    raise ValueError(f"unknown model family {family!r}; valid families: {list(HF_FAMILIES) + list(_OWN)}")
 
 
 def tiny_hf_config(family: str, *, vocab_size: int = 97, **overrides: Any):
@@ -116,11 +210,12 @@ def tiny_hf_config(family: str, *, vocab_size: int = 97, **overrides: Any):
     import transformers
 
     _, config_name, fields = _check_family(family)
-    return getattr(transformers, config_name)(**{**_COMMON, **fields, "vocab_size": vocab_size, **overrides})
+    common = _COMMON if family in _FAMILIES else {}
+    return getattr(transformers, config_name)(**{**common, **fields, "vocab_size": vocab_size, **overrides})
 
 
 def causal_lm_class(family: str) -> type:
-    """The ``...ForCausalLM`` class of ``family``.
+    """The ``...ForCausalLM`` class of ``family`` (``T5ForConditionalGeneration`` for ``t5``).
 
     Raises:
         ValueError: an unknown family.
