@@ -238,7 +238,7 @@ def prefill(
         sinks=sinks, chunk_size=chunk_size, backend=backend, seq_len=placement.total,
     )
     rows.store_prefill(k, v, placement.global_index(state.cp_rank), placement)
-    rows.drop_before(keep_from(mask, placement.total - 1))
+    rows.drop_before(keep_from(mask.normalised(placement.total), placement.total - 1))  # same on every rank
     return out
 
 
@@ -296,5 +296,5 @@ def decode(
     else:
         out, lse = attend_rows(q, q_pos, rows.keys, rows.values, rows.positions, mask, scale=scale, softcap=softcap)
     out, _ = _merge_over_group(out, lse, cache.state, sinks)
-    rows.drop_before(keep_from(mask, first + t - 1))
+    rows.drop_before(keep_from(mask.normalised(first + t), first + t - 1))
     return out.to(q.dtype)
