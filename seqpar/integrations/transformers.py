@@ -122,7 +122,20 @@ from torch.overrides import TorchFunctionMode
 from ..placement import Mask, Placement
 from ..state import ParallelState, require_state
 
-__all__ = ["MaskUsedAsTensor", "RecognisedMask", "attention_forward", "mask_function", "recognise_mask_function", "register"]
+__all__ = [
+    "MaskUsedAsTensor", "RecognisedMask", "SeqparCache", "attention_forward", "generate", "mask_function",
+    "recognise_mask_function", "register",
+]
+
+# generate() options that a sharded KV cache cannot serve, and why.
+_GENERATE_REFUSED = {
+    "past_key_values": "generate makes its own seqpar cache; call the model yourself to pass one",
+    "cache_implementation": "the cache is seqpar's sharded cache",
+    "assistant_model": "assisted decoding crops the cache",
+    "prompt_lookup_num_tokens": "prompt lookup decoding crops the cache",
+    "inputs_embeds": "pass input_ids (the full prompt)",
+    "synced_gpus": "CP ranks already step together",
+}
 
 # Names that transformers itself provides; registering over them would change every model.
 _BUILTIN = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -599,11 +612,15 @@ def attention_forward(
             "config.attention_dropout = 0.0 (or call model.eval())"
         )
     n = query.shape[2]
+    cached = getattr(key, "_seqpar_cache", None)  # Note [transformers cache on shards]
+    if cached is not None:
+        return _cache_attention(module, query, key, value, attention_mask, scaling, is_causal, state, backend, cached, kwargs)
     if key.shape[2] != n:
         raise NotImplementedError(
             f"seqpar attention: query has {n} tokens but key/value have {key.shape[2]}: "
-            "decoding with a KV cache is not supported on sequence shards; call the model with "
-            "use_cache=False"
+            "decoding with transformers' own KV cache is not supported on sequence shards; call the model "
+            "with use_cache=False, or decode with seqpar's cache: seqpar.integrations.transformers.generate "
+            "or past_key_values=SeqparCache(state, num_layers) (docs/inference.md)"
         )
     groups = getattr(module, "num_key_value_groups", None)
     if groups is not None and query.shape[1] != key.shape[1] * groups:
@@ -628,6 +645,50 @@ def attention_forward(
         seq_len=n if state.cp_size == 1 else None,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _cache_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: object,
+    scaling: float | None, is_causal: bool | None, state: ParallelState, backend: str, cached: tuple,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, None]:
+    """A layer served by a ``SeqparCache`` (Note [transformers cache on shards]): the sharded prefill
+    or a block of new tokens (the same on every rank), through ``seqpar.inference``."""
+    from ..inference import decode, prefill
+
+    cache, layer_idx, sharded = cached
+    if cache.state is not state:
+        raise ValueError(
+            f"seqpar attention: layer {layer_idx} got a SeqparCache made for another ParallelState than the one "
+            "this attention implementation was registered with; make the cache with the same state"
+        )
+    n = query.shape[2]
+    mask = _layer_mask(module, attention_mask, is_causal, kwargs, n, state)
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, Tensor) and layer_idx == 0:
+        if sharded:
+            _check_positions(position_ids, state)
+        else:
+            first = cache.kv.layer(0).length
+            want = torch.arange(first, first + n, device=position_ids.device)
+            if position_ids.shape[-1] != n or not bool((position_ids.reshape(-1, n) == want).all()):
+                raise ValueError(
+                    f"seqpar attention: new tokens at position_ids {position_ids.reshape(-1, n)[0, :8].tolist()}... "
+                    f"but the cache holds {first} tokens, so they are at {first}..{first + n - 1}"
+                )
+    if sharded:  # new tokens carry global positions: Llama 4's query scaling is exact for them
+        _check_temperature_tuning(module, n, state)
+    options = dict(
+        causal=mask.causal, window=mask.window, chunk_size=mask.chunk_size,
+        softcap=float(kwargs.get("softcap") or 0.0), sinks=_sinks(kwargs), softmax_scale=scaling,
+    )
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if sharded:
+        out = prefill(q, k, v, cache.kv, layer_idx, backend=backend, **options)
+    else:
+        out = decode(q, k, v, cache.kv, layer_idx, **options)
+    cache.served(layer_idx)
+    return out.contiguous(), None
 
 
 def mask_function(
@@ -670,6 +731,11 @@ def mask_function(
     offsets = (q_offset, kv_offset)
     device = attention_mask.device if isinstance(attention_mask, Tensor) else torch.device("cpu")
     if (
+        all(isinstance(o, int) for o in offsets) and (q_offset or kv_length != q_length)
+        and kv_offset == 0 and kv_length == q_offset + q_length
+    ):  # new tokens after a cache (the same on every rank): Note [transformers cache on shards]
+        return _cached_mask(batch_size, q_length, kv_length, mask_function, attention_mask, use_vmap, local_size, kwargs)
+    if (
         isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and attention_mask.shape[-1] != q_length
         and kv_length == attention_mask.shape[-1] and offsets == (0, 0)
     ):  # transformers takes kv_length from the mask when there is no cache
@@ -697,6 +763,30 @@ def mask_function(
         grid = max(q_length, 2)  # two positions tell causal from bidirectional
     else:
         grid = max(state.cp_size * (q_length + 2), 2 * local_size + 2 if local_size else 0)
+    hint = int(local_size) if local_size else None
+    mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
+    return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "")
+
+
+def _cached_mask(
+    batch_size: int, q_length: int, kv_length: int, fn: Callable | None, attention_mask: Tensor | None,
+    use_vmap: bool, local_size: int | None, kwargs: dict[str, Any],
+) -> RecognisedMask:
+    """The mask of ``q_length`` new tokens after ``kv_length - q_length`` cached ones, recognised on
+    global positions ``0 .. kv_length - 1`` (every rank sees the same sizes: no refusal can differ)."""
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(
+            "seqpar attention: padding masks are not supported with seqpar's KV cache (the attention_mask has "
+            "zeros); generate one prompt per batch row of equal length, without padding"
+        )
+    if fn is None:
+        from transformers.masking_utils import causal_mask_function as fn
+    base, packed = _unwrap_packing(fn)
+    if packed is not None:
+        raise NotImplementedError(
+            "seqpar attention: packed sequences (position_ids that restart) are not supported with seqpar's KV cache"
+        )
+    grid = max(kv_length, 2 * int(local_size) + 2 if local_size else 0, 2)
     hint = int(local_size) if local_size else None
     mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
     return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "")
@@ -753,3 +843,100 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
     mask_interface.register(name, seqpar_mask)
     install(_MODEL_CHECKS)
     return name
+
+
+def __getattr__(name: str):  # SeqparCache imports transformers: loaded on first use
+    if name == "SeqparCache":
+        from .transformers_cache import SeqparCache
+
+        return SeqparCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _prompt_fingerprints(input_ids: Tensor) -> list[int]:
+    from .transformers_guard import fingerprint
+
+    return [int(input_ids.shape[0]), int(input_ids.shape[-1]), fingerprint(input_ids)]
+
+
+def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **generate_kwargs: Any) -> Any:
+    """``model.generate`` over the CP ranks of ``state``, with the prompt's KV cache sharded over them.
+
+    Every CP rank passes the *full* prompt and gets what ``model.generate`` returns on one device:
+    the prompt but its last token is prefilled on shards (``seqpar.shard``; a prompt too short to
+    give every rank a token is prefilled as one block instead), then transformers' own ``generate``
+    runs unchanged on every rank -- logits processors, greedy, beam search, sampling -- while every
+    attention layer decodes over ``SeqparCache``'s shards (Note [transformers cache on shards];
+    ``docs/inference.md``). Sampling draws the same tokens on every CP rank: the default generators
+    are CP rank 0's for the call (``seqpar.rng.synchronized``).
+
+    Args:
+        model: a causal LM built with ``attn_implementation=register(state)``.
+        input_ids: ``(batch, seqlen)`` int64, the same on every CP rank; no padding.
+        state: the parallel state ``register`` bound the model's implementation to.
+        generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``do_sample``,
+            ``num_beams``, ``output_scores``, ``return_dict_in_generate``, ...).
+
+    Returns:
+        What ``model.generate`` returns (the same on every CP rank).
+
+    Raises:
+        ValueError: a model not built for ``state``'s implementation, prompts that differ between
+            CP ranks, a padding ``attention_mask``.
+        NotImplementedError: options a sharded cache cannot serve (``past_key_values``,
+            ``cache_implementation``, ``assistant_model``, ``prompt_lookup_num_tokens``,
+            ``inputs_embeds``, ``synced_gpus``), named in the message.
+    """
+    from ..comm import exchange_ints
+    from ..rng import synchronized
+    from ..sharding import shard, shard_positions
+    from .transformers_cache import SeqparCache
+    from .transformers_guard import binding
+
+    require_state(state, "seqpar.integrations.transformers.generate")
+    refused = sorted(k for k in generate_kwargs if k in _GENERATE_REFUSED)
+    if refused:
+        raise NotImplementedError(
+            "seqpar generate: " + "; ".join(f"{k} is not supported ({_GENERATE_REFUSED[k]})" for k in refused)
+        )
+    config = getattr(model, "config", None)
+    name = getattr(config, "_attn_implementation", None)
+    bound = binding(name)
+    if bound is None or bound.state is not state:
+        raise ValueError(
+            f"seqpar generate: the model's attn_implementation is {name!r}, not a name register(state) bound "
+            "to this state; build the model with attn_implementation=register(state)"
+        )
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[-1] < 1:
+        raise ValueError(
+            f"seqpar generate: input_ids must be a (batch, seqlen) tensor with seqlen >= 1, got "
+            f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+        )
+    mask = generate_kwargs.get("attention_mask")
+    if isinstance(mask, Tensor) and not bool(mask.all()):
+        raise ValueError("seqpar generate: the attention_mask has zeros (padding), which a sharded cache does not serve")
+    if state.cp_size > 1:
+        rows = exchange_ints(_prompt_fingerprints(input_ids), state.cp_group, input_ids.device)
+        if any(row != rows[0] for row in rows):
+            raise ValueError(
+                f"seqpar generate: the CP ranks passed different prompts (batch, length, fingerprint: {rows}); "
+                "pass the same full prompt on every CP rank"
+            )
+    layers = int(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "num_hidden_layers"))
+    prompt = input_ids.shape[-1] - 1
+    placement_ok = prompt >= 1 and min(
+        Placement.dense(prompt, state.ring_size, state.ulysses_size).shard_lengths
+    ) >= 1
+    cache = SeqparCache(state, layers, sharded_prefill=placement_ok)
+    with torch.no_grad():
+        if placement_ok:
+            model(
+                input_ids=shard(input_ids[:, :prompt], state),
+                position_ids=shard_positions(prompt, state, device=input_ids.device)[None],
+                past_key_values=cache, use_cache=True,
+            )
+    beams = max(int(generate_kwargs.get("num_beams") or 1), int(generate_kwargs.get("num_return_sequences") or 1))
+    if beams > 1:
+        cache.kv.repeat(beams)
+    with synchronized(state, cuda=input_ids.device.type == "cuda"):
+        return model.generate(input_ids, past_key_values=cache, use_cache=True, **generate_kwargs)

@@ -51,7 +51,7 @@ from ..comm import exchange_ints
 from ..placement import Placement
 from ..state import ParallelState
 
-__all__ = ["Binding", "binding", "check_call", "install"]
+__all__ = ["Binding", "binding", "check_call", "fingerprint", "install"]
 
 _GUARD = "_seqpar_guard"  # attribute of a checked model: (implementation name, hook handle)
 # Implementation names a switched config may name, coded as ints for the exchange (0: another).
@@ -221,6 +221,52 @@ def _fingerprint(positions: Tensor) -> int:
     return int(h.sum())
 
 
+fingerprint = _fingerprint
+
+
+def _decoding(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The ``SeqparCache`` of a call that passes new tokens on every rank (not a sharded prefill), or None."""
+    from .transformers_cache import SeqparCache
+
+    cache = _argument(model, args, kwargs, "past_key_values")
+    if isinstance(cache, SeqparCache) and not (cache.layers and cache.layers[0].sharded):
+        return cache
+    return None
+
+
+def _check_decoding(model: nn.Module, args: tuple, kwargs: dict[str, Any], state: ParallelState, cache: Any) -> None:
+    """A call with new tokens on every CP rank (Note [transformers cache on shards]): the same tokens
+    and positions on every rank, no padding or 4-D mask, every rank raising alike."""
+    ids = _argument(model, args, kwargs, "input_ids")
+    embeds = _argument(model, args, kwargs, "inputs_embeds")
+    tokens = ids if isinstance(ids, Tensor) else embeds if isinstance(embeds, Tensor) else None
+    if tokens is None:
+        return
+    positions = _argument(model, args, kwargs, "position_ids")
+    mask = _argument(model, args, kwargs, "attention_mask")
+    code = 0
+    if isinstance(mask, Tensor) and mask.dim() == 4:
+        code = MASK_4D
+    elif isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        code = PADDING
+    row = [
+        int(tokens.shape[0]), int(tokens.shape[1]), code, _fingerprint(tokens.detach().float().mul(1024).long()
+                                                                     if tokens.is_floating_point() else tokens),
+        _fingerprint(positions) if isinstance(positions, Tensor) else 0,
+    ]
+    rows = exchange_ints(row, state.cp_group, tokens.device) if state.cp_size > 1 else [row]
+    where = f"seqpar ({type(model).__name__}, decoding with a SeqparCache of {cache.get_seq_length()} tokens)"
+    if any(r[2] for r in rows):
+        r = next(i for i, r in enumerate(rows) if r[2])
+        what = "a 4-D attention_mask" if rows[r][2] == MASK_4D else "a padding attention_mask (zeros)"
+        raise ValueError(f"{where}: cp rank {r} passed {what}; pass none, or all ones")
+    if any(r != rows[0] for r in rows):
+        raise ValueError(
+            f"{where}: the CP ranks passed different new tokens or positions ((batch, tokens, -, ids, positions) "
+            f"fingerprints {rows}); after the sharded prefill every rank passes the same new tokens"
+        )
+
+
 def _inspect(model: nn.Module, name: str, args: tuple, kwargs: dict[str, Any], state: ParallelState) -> _Call:
     """This rank's :class:`_Call` (no communication)."""
     ids = _argument(model, args, kwargs, "input_ids")
@@ -278,6 +324,11 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, name: s
     if bound is None:  # the name was registered again, by someone else
         return
     state = bound.state
+    cache = _decoding(model, args, kwargs) if state.cp_size > 1 else None
+    if cache is not None and getattr(model.config, "_attn_implementation", None) == name:
+        if _sequence_mixer(type(model)) is None and not _computes_attention_itself(type(model)):
+            _check_decoding(model, args, kwargs, state, cache)
+            return
     mine = _inspect(model, name, args, kwargs, state)
     if state.cp_size == 1:
         if mine.code:
