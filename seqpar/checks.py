@@ -151,7 +151,8 @@ def check_sinks(sinks: object, num_heads: int, like: torch.Tensor, where: str) -
 
 
 def check_alibi_slopes(slopes: object, num_heads: int, like: torch.Tensor, where: str) -> torch.Tensor | None:
-    """``None``, or ``slopes`` as a detached float32 ``[H]`` tensor on ``like``'s device.
+    """``None``, or ``slopes`` as a detached float32 ``[H]`` tensor on ``like``'s device (float64
+    slopes stay float64).
 
     ALiBi slopes are constants of the model (Bloom, MPT, Falcon-ALiBi): no gradient flows to them
     (``docs/masks.md``).
@@ -172,7 +173,7 @@ def check_alibi_slopes(slopes: object, num_heads: int, like: torch.Tensor, where
         raise ValueError(f"{where}: alibi_slopes are on {slopes.device} but q is on {like.device}")
     if slopes.device.type == "cpu" and not bool(torch.isfinite(slopes).all()):
         raise ValueError(f"{where}: alibi_slopes must be finite, got {slopes.tolist()}")
-    return slopes.detach().to(torch.float32)
+    return slopes.detach().to(torch.float64 if slopes.dtype == torch.float64 else torch.float32)
 
 
 def check_mask_slices(mask: object, causal: bool, window: tuple[int, int], chunk_size: int | None, where: str):

@@ -99,7 +99,7 @@ def _rebuild(
     prefix: int = 0, suffix: int = 0, slices: list[int] | None = None, alibi: Optional[Tensor] = None,
 ) -> PreparedCall:
     """The call a validated forward prepared, from its options and placement (no check, no collective)."""
-    alibi = None if alibi is None else alibi.detach().to(torch.float32)
+    alibi = None if alibi is None else alibi.detach().to(torch.float64 if alibi.dtype == torch.float64 else torch.float32)
     mask = Mask(causal, tuple(window), chunk_size, _slices_from(slices or []), alibi is not None)
     mask = mask.normalised(max(seq_lens, default=0))
     resolved = resolve_backend(backend, qb, mask, softcap, "seqpar.compiled")

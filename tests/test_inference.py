@@ -25,6 +25,8 @@ _MASKS = [
     ("chunk", {"chunk_size": 8}),
     ("softcap+window", {"softcap": 0.7, "window": (9, 0)}),
     ("sinks", {"sinks": True}),
+    ("alibi+window", {"alibi": True, "window": (7, 0)}),
+    ("alibi+sinks", {"alibi": True, "sinks": True}),
 ]
 # (H, Hkv, D, Dv): GQA with Hkv < U, H not divisible by 2, 3, 4, MLA value heads
 _HEADS = [(4, 2, 8, 8), (3, 1, 6, 6), (5, 5, 8, 4)]
@@ -51,6 +53,8 @@ def _rank_cases(ring: int, ulysses: int, prompt: int, blocks: list[int]) -> list
             opts = dict(options)
             if opts.pop("sinks", False):
                 opts["sinks"] = torch.randn(h, generator=g, dtype=torch.float64)
+            if opts.pop("alibi", False):
+                opts["alibi_slopes"] = torch.rand(h, generator=g, dtype=torch.float64)
             want = reference_attention(q, k, v, causal=True, **opts)
             cache = KVCache(state, 2)
             for layer in range(2):  # two layers: the second reuses the first's placement
@@ -197,10 +201,8 @@ def test_refusals_name_the_problem():
     q, k = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 2, 8)
     with pytest.raises(NotImplementedError, match="causal=False"):
         decode(q, k, k, cache, 0, causal=False)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        decode(q, k, k, cache, 0, alibi_slopes=torch.ones(4))
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        prefill(q, k, k, cache, 0, alibi_slopes=torch.ones(4))
+    with pytest.raises(ValueError, match=r"one slope per query head, shape \(4,\)"):
+        decode(q, k, k, cache, 0, alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="not a multiple"):
         decode(q, torch.randn(1, 3, 3, 8), torch.randn(1, 3, 3, 8), cache, 0)
     with pytest.raises(ValueError, match="sinks must be"):

@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..checks import check_alibi_slopes
 from ..comm import all_gather, exchange_ints
 from ..parallel.merge import accumulator_dtype, add_sinks, merge_
 from ..placement import Mask, Placement
@@ -54,12 +55,6 @@ def _mask(causal: bool, window: tuple[int, int], chunk_size: int | None, where: 
     return Mask(True, (int(window[0]), 0 if window[1] != -1 else -1), chunk_size)
 
 
-def _refuse_alibi(alibi_slopes: Tensor | None, where: str) -> None:
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            f"{where}: alibi_slopes is not supported with a KV cache yet; run ALiBi models with "
-            "seqpar.attention on the full sequence (no cache)"
-        )
 
 
 def _check_block(q: Tensor, k: Tensor, v: Tensor, where: str) -> None:
@@ -83,7 +78,8 @@ def _check_block(q: Tensor, k: Tensor, v: Tensor, where: str) -> None:
 
 
 def attend_rows(
-    q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, mask: Mask, *, scale: float, softcap: float = 0.0
+    q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, mask: Mask, *, scale: float, softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of queries over a set of K/V rows, masked on global positions; no communication.
 
@@ -96,6 +92,7 @@ def attend_rows(
         mask: which (query, key) positions attend (Note [Masks]).
         scale: softmax scale.
         softcap: ``c * tanh(s / c)`` of the scaled scores when ``> 0``.
+        alibi_slopes: ``(nheads,)``: ``-slope * |q_pos - k_pos|`` added to the (capped) scores.
 
     Returns:
         ``(out, lse)``: ``(batch, T, nheads, headdim_v)`` and ``(batch, nheads, T)`` in the
@@ -128,6 +125,9 @@ def attend_rows(
         if softcap > 0:
             scores = torch.tanh(scores / softcap).mul_(softcap)
         scores = scores.view(b, hkv, g, e - s, n)
+        if alibi_slopes is not None:
+            dist = (q_pos[s:e, None] - k_pos[None, :]).abs().to(acc)  # [t, n]
+            scores.sub_(alibi_slopes.to(acc).view(1, hkv, g, 1, 1) * dist)
         allowed = mask.allows(q_pos[s:e], k_pos)  # [t, n]
         scores.masked_fill_(~allowed, float("-inf"))
         tile_lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G, t]
@@ -194,7 +194,7 @@ def prefill(
         layer: the layer index.
         causal, softmax_scale, window, softcap, sinks, chunk_size: as ``seqpar.attention``;
             ``causal`` must be ``True``.
-        alibi_slopes: not supported yet (``NotImplementedError``).
+        alibi_slopes: ``(nheads,)`` ALiBi slopes (as ``seqpar.attention``; no gradient).
         backend: the kernel backend of ``seqpar.attention``.
 
     Returns:
@@ -203,10 +203,9 @@ def prefill(
     Raises:
         ValueError: bad shapes or options, a non-empty layer, shard lengths that are not seqpar's
             placement of their sum.
-        NotImplementedError: ``causal=False`` or ``alibi_slopes``.
+        NotImplementedError: ``causal=False``.
     """
     where = "seqpar.inference.prefill"
-    _refuse_alibi(alibi_slopes, where)
     mask = _mask(causal, window, chunk_size, where)
     state = cache.state
     rows = cache.layer(layer)
@@ -235,7 +234,7 @@ def prefill(
 
     out = attention(
         q, k, v, state, causal=True, softmax_scale=softmax_scale, window=mask.window, softcap=softcap,
-        sinks=sinks, chunk_size=chunk_size, backend=backend, seq_len=placement.total,
+        sinks=sinks, chunk_size=chunk_size, backend=backend, seq_len=placement.total, alibi_slopes=alibi_slopes,
     )
     rows.store_prefill(k, v, placement.global_index(state.cp_rank), placement)
     rows.drop_before(keep_from(mask.normalised(placement.total), placement.total - 1))  # same on every rank
@@ -272,20 +271,20 @@ def decode(
         layer: the layer index.
         causal, softmax_scale, window, softcap, sinks, chunk_size: as ``seqpar.attention``;
             ``causal`` must be ``True``.
-        alibi_slopes: not supported yet (``NotImplementedError``).
+        alibi_slopes: ``(nheads,)`` ALiBi slopes on global positions (as ``seqpar.attention``).
 
     Returns:
         ``(batch, T, nheads, headdim_v)`` in q's dtype, the same on every CP rank.
 
     Raises:
         ValueError: bad shapes or options; rows that do not match the cached ones.
-        NotImplementedError: ``causal=False`` or ``alibi_slopes``.
+        NotImplementedError: ``causal=False``.
     """
     where = "seqpar.inference.decode"
-    _refuse_alibi(alibi_slopes, where)
     mask = _mask(causal, window, chunk_size, where)
     _check_block(q, k, v, where)
     scale = _options(q, softmax_scale, softcap, sinks, where)
+    slopes = check_alibi_slopes(alibi_slopes, q.shape[2], q, where)
     rows = cache.layer(layer)
     first = rows.length
     rows.append(k, v)
@@ -294,7 +293,9 @@ def decode(
     if rows.keys is None:
         out, lse = attend_rows(q, q_pos, k[:, :0], v[:, :0], q_pos[:0], mask, scale=scale, softcap=softcap)
     else:
-        out, lse = attend_rows(q, q_pos, rows.keys, rows.values, rows.positions, mask, scale=scale, softcap=softcap)
+        out, lse = attend_rows(
+            q, q_pos, rows.keys, rows.values, rows.positions, mask, scale=scale, softcap=softcap, alibi_slopes=slopes
+        )
     out, _ = _merge_over_group(out, lse, cache.state, sinks)
     rows.drop_before(keep_from(mask.normalised(first + t), first + t - 1))
     return out.to(q.dtype)
