@@ -12,7 +12,7 @@ every step and the same decoded image or video, and they must match the referenc
 
 A pipeline option seqpar cannot honour -- an attention mask passed through Flux's
 ``joint_attention_kwargs``, which reaches the sharded attention calls unsplit -- must raise on every
-rank, not return an image.
+rank, not return an image; so must a generator seeded per rank (different latents on the CP ranks).
 """
 
 from __future__ import annotations
@@ -105,7 +105,9 @@ def test_pipeline_call_matches_one_device(pools, world):
         assert r["latents"].shape[0] == STEPS and r["calls"] == r["ref_calls"], key
         atol = ATOL["float64" if "float64" in case else "fp32"]
         if r["latent_err"] > atol or r["output_err"] > atol:
-            failures.append(f"{key}: latents off by {r['latent_err']:.1e}, output by {r['output_err']:.1e} (atol {atol})")
+            failures.append(
+                f"{key}: latents off by {r['latent_err']:.1e}, output by {r['output_err']:.1e} (atol {atol})"
+            )
     assert not failures, "\n".join(failures)
     calls = {case: per_rank[0][(case, *LAYOUTS[world][0])]["calls"] for case in CASES}
     assert calls["flux"] == [0] * 2 * STEPS  # true CFG: two calls per step
@@ -161,3 +163,35 @@ def test_builders_refuse_sizes_the_pipeline_would_round():
     with pytest.raises(ValueError, match="num_frames=8 must be 4 k \\+ 1, e.g. 9"):
         wan_call(num_frames=8)
     assert latent_tokens(tiny_wan_pipeline(), wan_call(num_frames=13, height=48, width=16)) == 4 * 3 * 1
+
+
+def _per_rank_inputs(kind: str) -> dict:
+    """A parallel Flux pipeline called with rank-dependent inputs: the error, or the output's error."""
+    import torch.distributed as dist
+
+    pipe = tiny_flux_pipeline()
+    call = dict(flux_call(steps=2), output_type="latent")
+    rank = dist.get_rank()
+    seed = 3 + rank if kind == "seed" else 3
+    if kind == "last-bits":  # what ranks that encode the prompt themselves may differ by
+        call["prompt_embeds"] = call["prompt_embeds"] * (1 + 1e-7 * rank)
+    want = pipe(**call, generator=torch.Generator().manual_seed(3)).images
+    with seqpar.ParallelState(1, 2) as state:
+        parallelize(pipe.transformer, state)
+        try:
+            got = pipe(**call, generator=torch.Generator().manual_seed(seed)).images
+            return dict(error=float((got - want).abs().max()))
+        except ValueError as e:
+            return dict(raised=str(e))
+
+
+def test_a_generator_seeded_per_rank_is_refused(pools):
+    """Per-rank seeds draw different latents on the CP ranks: refused on every rank, not a wrong image."""
+    for r in pools(2).run(_per_rank_inputs, "seed"):
+        assert "raised" in r, f"different latents on the CP ranks gave an image (off by {r.get('error')})"
+        assert "called FluxTransformer2DModel with different inputs (hidden_states: cp ranks 0 and 1 differ" in (
+            r["raised"]
+        ), r["raised"]
+        assert "the same seed" in r["raised"], r["raised"]
+    for r in pools(2).run(_per_rank_inputs, "last-bits"):  # last-bit differences pass, and are harmless
+        assert r.get("error", 1.0) < ATOL["fp32"], r
