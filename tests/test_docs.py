@@ -263,6 +263,7 @@ FRAGMENTS: dict[tuple[str, str], dict] = {
         requires=("diffusers",),
         setup="from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput\n"),
     ("docs/howto-diffusers.md", "out = model(**inputs).sample"): dict(ranks=2, setup=_FLUX_TRAIN, requires=("diffusers",)),
+    ("docs/howto-diffusers.md", "pipe = tiny_flux_pipeline()"): dict(ranks=2),
     ("docs/howto-timm.md", '"vit_large_patch14_reg4_dinov2"'): dict(
         ranks=4, setup=_TIMM_CREATE, teardown="timm.create_model = _create_model\n"),
     ("docs/howto-timm.md", "loss = F.cross_entropy(model(images), labels)"): dict(

@@ -28,6 +28,7 @@ _FENCE = re.compile(r"^```(bash|sh|shell)\s*$")
 RUN = [
     "python -m seqpar info",
     "python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/train_lm.py --ring 2 --ulysses 1 --steps 2",
+    "python scripts/example_pipeline.py --model wan2.2 --world 3 --ring 3",
     "python scripts/calibrate.py --local 4 --out cost.json",
     "python -m seqpar info --cost cost.json --cp-size 16 --seq-len 262144 --heads 32 --kv-heads 8",
 ]

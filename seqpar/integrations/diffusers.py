@@ -87,6 +87,7 @@ from ..attention import attention
 from ..comm import all_gather, exchange_ints
 from ..sdpa import local_sdpa, parallel_sdpa
 from ..state import ParallelState, require_state
+from .diffusers_guard import same_inputs_hook
 from .hooks import ContextHooks, gather_parts, refuse_empty_parts, split_part
 
 __all__ = ["ShardedAttention", "gather_parts", "parallelize", "split_part"]
@@ -496,7 +497,8 @@ def parallelize(
             or one naming missing modules; a model that is already parallel (by this function or
             by diffusers' ``enable_parallelism``); an attention backend that drops the parallel
             config. Calls of the model raise ``ValueError`` for inputs that do not match the plan
-            and ``RuntimeError`` if processors were replaced afterwards.
+            or that differ between the CP ranks (Note [Same inputs on every CP rank] in
+            ``diffusers_guard.py``) and ``RuntimeError`` if processors were replaced afterwards.
         ImportError: diffusers is not installed.
     """
     require_state(state, _WHERE)
@@ -558,5 +560,7 @@ def parallelize(
     handles += [module.register_forward_pre_hook(hook, with_kwargs=True) for module, hook in pre_hooks]
     handles += [module.register_forward_hook(hook) for module, hook in post_hooks]
     handles.append(model.register_forward_pre_hook(_guard_hook(records)))
+    if state.cp_size > 1:  # first of all hooks: compare the full inputs (Note [Same inputs on every CP rank])
+        handles.append(model.register_forward_pre_hook(same_inputs_hook(state, model), with_kwargs=True, prepend=True))
     setattr(model, _APPLIED, handles)
     return model

@@ -7,7 +7,7 @@ Nothing here is imported by ``import seqpar``; import the module you need:
 - :mod:`.one_rank`: one rank of a ring x Ulysses job alone in a process (Note [One-rank runs]);
 - :mod:`.calibration`: ``calibrate``, the degree planner's measurements (``seqpar.planner.calibrate``);
 - :mod:`.demo`: ``python -m seqpar demo``;
-- :mod:`.models`: tiny reference models (a video DiT, small ``transformers`` configs);
+- :mod:`.models`: tiny reference models (a video DiT, small ``transformers`` configs, tiny diffusers pipelines);
 - :mod:`.bench`: what the benchmarks under ``scripts/`` share: launching ranks, inputs, warnings;
 - :mod:`.report`: their output: tables, the JSON line, ``--plot`` charts, readable ``--help``;
 - :mod:`.train_harness`: what ``scripts/train_*.py`` share: launch, loop, ``--check``, plot;

@@ -4,6 +4,8 @@
   run under ``seqpar.parallel_sdpa`` with no change.
 - :mod:`seqpar.tools.models.llama`: a small Llama-style ``transformers`` config (imports transformers
   only when called).
+- :mod:`seqpar.tools.models.pipelines`: tiny random diffusers pipelines (Flux, Wan) built in code,
+  no download (imports diffusers only when called; import the module itself).
 """
 
 from .dit import VideoDiT, patchify, unpatchify
