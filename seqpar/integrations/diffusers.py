@@ -376,11 +376,20 @@ def _key_mask(mask: Tensor, query: Tensor, key: Tensor) -> Tensor:
     B, s_k = query.shape[0], key.shape[1]
     if mask.dim() == 2 and tuple(mask.shape) == (B, s_k):
         mask = mask[:, None, None, :]
-    if mask.dim() < 3 or mask.shape[-1] != s_k or mask.shape[-2] != 1:
+    if mask.dim() >= 2 and mask.shape[-1] != s_k:
+        raise ValueError(
+            f"{_WHERE}: attention mask {tuple(mask.shape)} for queries {tuple(query.shape)} and keys "
+            f"{tuple(key.shape)} on sharded calls: it covers {mask.shape[-1]} keys but this rank holds "
+            f"{s_k} (its shard): a mask over the whole sequence is not split by the plan, so it cannot be "
+            "matched to the sharded keys; add the mask to the plan's inputs so it is split like the keys, "
+            "or run without a mask"
+        )
+    if mask.dim() < 3 or mask.shape[-2] != 1:
         raise ValueError(
             f"{_WHERE}: attention mask {tuple(mask.shape)} for queries {tuple(query.shape)} and keys "
             f"{tuple(key.shape)}: on sharded calls only key masks that do not vary over queries are "
-            f"supported ([B, S_k] or [..., 1, S_k] with S_k={s_k})"
+            f"supported ([B, S_k] or [..., 1, S_k] with S_k={s_k}); a block-causal or prefix mask over "
+            "frames needs seqpar's placement: seqpar.parallel_sdpa / seqpar.attention(mask=MaskSlices...)"
         )
     return mask.detach()
 
