@@ -47,11 +47,13 @@ from torch import Tensor
 from .backends import KernelBackend, get_backend
 from .checks import check_gqa, check_mask_options, check_qkv, check_scale, check_sinks, check_value_shape
 from .comm import exchange_ints
+from .parallel.allgather import AllGatherSetup
 from .parallel.hybrid import HybridSetup
 from .parallel.replicated import ReplicatedSetup
 from .parallel.ring import RingSetup
 from .parallel.ulysses import UlyssesSetup
 from .placement import Mask, Placement, RingPlan, ring_plan
+from .placement.gather import GatherPlan, gather_plan
 from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState, require_state
 
@@ -153,6 +155,16 @@ def _cached_plan(
     return placement, ring_plan(placement, ring_rank, mask, varlen=varlen)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_gather(
+    seq_lens: tuple[int, ...], free: tuple[int, ...] | None, ring_size: int, ulysses_size: int,
+    ring_rank: int, mask: Mask, varlen: bool,
+) -> GatherPlan:
+    """This ring rank's all-gather layout (Note [All-gather K/V]), from every ring rank's plan."""
+    plans = [_cached_plan(seq_lens, free, ring_size, ulysses_size, j, mask, varlen)[1] for j in range(ring_size)]
+    return gather_plan(plans, ring_rank)
+
+
 @functools.lru_cache(maxsize=256)
 def _dense_lengths(seq_len: int, ring_size: int, ulysses_size: int) -> tuple[int, ...]:
     """Every CP rank's token count of a dense sequence (cached: called on every layer)."""
@@ -194,6 +206,9 @@ def build_call(
     R, U = state.ring_size, state.ulysses_size
     placement, plan = _cached_plan(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
     ring = RingSetup(state.ring_group, plan, backend, scale, softcap, state.workspace)
+    if state.ring_comm == "allgather" and R > 1:
+        gather = _cached_gather(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
+        ring = AllGatherSetup(ring, gather)
     ulysses = None
     if U > 1:
         ulysses = UlyssesSetup.build(
