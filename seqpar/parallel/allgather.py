@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..comm import Pending, start_all_gather, start_reduce_scatter
