@@ -317,3 +317,50 @@ def test_compiled_allgather(pools):
     for rank, results in enumerate(pools(2).run(_rank_compiled)):
         for name, err in results:
             assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner
+
+
+def test_planner_considers_the_all_gather():
+    from dataclasses import replace
+
+    from seqpar.placement import head_assignments
+    from seqpar.placement.cost import kv_bytes
+    from seqpar.planner import CostModel, Link, plan
+
+    cpu = CostModel.preset("cpu")
+    shape = dict(seq_len=4096, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32, ranks_per_node=4, cost=cpu)
+    p = plan(4, **shape)
+    assert [(c.ring_size, c.ulysses_size, c.ring_comm) for c in p.candidates] == [
+        (1, 4, "p2p"), (2, 2, "p2p"), (2, 2, "allgather"), (4, 1, "p2p"), (4, 1, "allgather")]
+    for c in p.candidates:
+        if c.ring_comm != "allgather":
+            continue
+        R, U = c.ring_size, c.ulysses_size
+        placement = Placement.dense(4096, R, U)
+        width = gather_plan([ring_plan(placement, r, Mask(True), varlen=False) for r in range(R)], 0).width
+        kv = head_assignments(8, 2, U)[0].kernel_kv_heads
+        # Forward gather, backward gather and reduce-scatter: R - 1 parts of the widest contribution each.
+        assert c.ring_bytes == 3 * (R - 1) * kv_bytes(width, kv, 64, 1, 4), c.label()
+        # All of the ring group's needed K/V at once: more than the ring's two steps.
+        assert c.memory_bytes > p.candidate(R, U, "p2p").memory_bytes
+        assert "(all-gather)" in c.label()
+    # A costly ring step (latency, waiting for peers) favours one collective over R - 1 steps ...
+    slow_a2a = Link(1e-2, 1e6)
+    p = plan(4, **{**shape, "cost": replace(cpu, ring_step_s=0.05, ulysses_intra=slow_a2a)})
+    assert (p.ring_size, p.ring_comm) == (4, "allgather") and "ring_comm='allgather'" in p.explanation
+    # ... a thin link with a short window favours p2p, which sends only the window's rows to a neighbour.
+    p = plan(4, **{**shape, "window": (63, 0), "cost": replace(cpu, ring_intra=Link(1e-4, 1e7), ulysses_intra=slow_a2a)})
+    assert (p.ring_size, p.ring_comm) == (4, "p2p")
+    assert p.candidate(4, 1, "allgather").ring_bytes > 2 * p.candidate(4, 1, "p2p").ring_bytes
+    only = plan(4, ring_comm="allgather", **shape)
+    assert {c.ring_comm for c in only.candidates} == {"p2p", "allgather"}  # R = 1 has no ring to gather
+    assert {c.ring_comm for c in only.candidates if c.ring_size > 1} == {"allgather"}
+    with pytest.raises(ValueError, match=r"ring_comm must be one of \['auto', 'p2p', 'allgather'\], got 'ring'"):
+        plan(4, ring_comm="ring", **shape)
+    with pytest.raises(ValueError, match=r"\(4, 1, 'nccl'\) is not one of"):
+        p.candidate(4, 1, "nccl")
+    single = plan(1, seq_len=100, num_heads=4, num_kv_heads=2, head_dim=8)
+    assert single.ring_comm == "p2p" and single.state().ring_comm == "p2p"
