@@ -685,7 +685,7 @@ def _chart(report: dict) -> tuple[str, list[str], list[Panel]]:
                 [f"{w['config']} {w['ring']} x {w['ulysses']}" for w in rows],
                 [Panel("window / full causal (lower is better; 1.0 = no saving)", series)])
     configs = report["configs"]
-    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" + (" allgather" if c["ring_comm"] == "allgather" else "")
+    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" + (" allgather" if c.get("ring_comm") == "allgather" else "")
               for c in configs]
     panels = []
     if report["single_device"] is not None:
