@@ -16,6 +16,11 @@ and mask the script reports:
   kernel), peak memory per rank, and the ring's kernel efficiency: one equal-FLOP non-causal
   kernel call against the ring's kernel calls, in the ring and replayed alone.
 
+``--ring-comm p2p,allgather`` times both K/V transports of the ring (``ParallelState(ring_comm=...)``,
+``docs/performance.md``: "All-gather K/V vs ring p2p") on every configuration with ``R > 1``, in one
+run, on the same tensors, iterations interleaved, with peak memory per rank and the workspace each
+state holds between calls, and prints all-gather/p2p ratios of time, memory and bytes.
+
 ``--window W`` compares, in one run and on the same tensors, full causal attention with causal
 sliding-window attention (window ``(W, 0)``: query ``i`` sees keys ``i-W .. i``), and prints
 window/full ratios of FLOPs, ring bytes and time. ``--frames F`` does the same for block-causal
@@ -43,6 +48,7 @@ Run:
     python scripts/bench_attention.py --world 2 --seq-len 4096 --causal
     python scripts/bench_attention.py --ring 4 --window 4096 --seq-len 65536 --heads 2 --head-dim 64
     python scripts/bench_attention.py --ring 4 --frames 16 --seq-len 16384 --heads 4
+    python scripts/bench_attention.py --ring-comm p2p,allgather --causal --seq-len 4096
     python -m torch.distributed.run --nproc-per-node 8 scripts/bench_attention.py     # CUDA/NCCL, one GPU per rank
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the live storages created by
@@ -70,8 +76,9 @@ import torch.distributed as dist
 import seqpar
 from seqpar.backends import KernelBackend, get_backend
 from seqpar.parallel import ring as ring_module
-from seqpar.placement import Mask, MaskSlices, Placement
-from seqpar.placement.cost import plan_costs
+from seqpar.placement import Mask, MaskSlices, Placement, head_assignments, ring_plan
+from seqpar.placement.cost import kv_bytes, plan_costs
+from seqpar.placement.gather import gather_plan
 from seqpar.tools.bench import (
     Ranks,
     few_iterations_warning,
@@ -111,9 +118,21 @@ def _masks(p: dict) -> list[tuple[str, dict]]:
     return [("causal", {"causal": True}), (f"window ({W}, 0)", {"causal": True, "window": (W, 0)})]
 
 
-def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
+def _gather_bytes(p: dict, R: int, U: int, mask: Mask, itemsize: int) -> list[int]:
+    """Per CP rank, the K/V bytes one all-gather of the ring group brings it (``R - 1`` parts of
+    the largest contribution, Note [All-gather K/V]); the backward moves them again and
+    reduce-scatters as many dK/dV."""
+    placement = Placement.dense(p["seq_len"], R, U)
+    width = gather_plan([ring_plan(placement, r, mask, varlen=p["batch"] == 1) for r in range(R)], 0).width
+    heads = head_assignments(p["heads"], p["kv_heads"], U)
+    return [(R - 1) * kv_bytes(width, heads[u].kernel_kv_heads if heads[u].q_len else 0, p["head_dim"], p["batch"],
+                               itemsize) for r in range(R) for u in range(U)]
+
+
+def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict, ring_comm: str = "p2p") -> dict:
     """Per CP rank (``cp_rank`` order): attended pairs, forward kernel FLOPs and ring bytes sent
-    (``seqpar.placement.cost.plan_costs``, Note [Plan cost]).
+    (``seqpar.placement.cost.plan_costs``, Note [Plan cost]); with ``ring_comm="allgather"`` the
+    bytes are the all-gather's (forward) and the all-gather's and reduce-scatter's (backward).
 
     See the module docstring for what is counted.
     """
@@ -133,6 +152,9 @@ def plan_figures(p: dict, R: int, U: int, mask_kwargs: dict) -> dict:
         "kernel_calls_fwd": c.kernel_calls_fwd,
         "active_steps": c.active_steps,
     } for c in costs]
+    if ring_comm == "allgather" and R > 1:
+        for rank, moved in zip(ranks, _gather_bytes(p, R, U, mask, itemsize)):
+            rank["ring_kv_bytes_fwd"], rank["ring_bytes_bwd"] = moved, 2 * moved
 
     def total(key: str) -> int:
         return sum(x[key] for x in ranks)
@@ -266,36 +288,51 @@ def bench_rank(p: dict, configs: list[tuple[str, int, int]]) -> list[dict]:
     rows = []
     for i, (name, R, U) in enumerate(configs):
         progress("bench_attention", f"configuration {i + 1}/{len(configs)}: {name} ring {R} x ulysses {U}")
-        state = seqpar.ParallelState(ring_size=R, ulysses_size=U)
+        # One state per K/V transport (the same placement: the shards serve every state).
+        states = {comm: seqpar.ParallelState(ring_size=R, ulysses_size=U, ring_comm=comm) for comm in _comms(p, R)}
+        state = next(iter(states.values()))
         # Own storage per rank (a shard may be a view of the global tensor).
         q, k, v, dout = (seqpar.shard(t, state, dim=1).to(device).clone() for t in _inputs(p, torch.device("cpu"), dtype))
         for t in (q, k, v):
             t.requires_grad_()
+        variants = [(comm, label, kw) for comm in states for label, kw in masks]
         kernels = [
-            instrument(get_backend(p["backend"], device, dtype, window="window" in kw or "mask" in kw), device) for _, kw in masks
+            instrument(get_backend(p["backend"], device, dtype, window="window" in kw or "mask" in kw), device) for _, _, kw in variants
         ]
-        steps = [_attention_step(q, k, v, dout, state, p, kern, kw) for kern, (_, kw) in zip(kernels, masks)]
+        steps = [_attention_step(q, k, v, dout, states[comm], p, kern, kw)
+                 for kern, (comm, _, kw) in zip(kernels, variants)]
         # One untimed call each: records the kernel calls and the ring bytes sent.
-        sent = [_recorded_step(q, k, v, dout, state, p, kern, kw) for kern, (_, kw) in zip(kernels, masks)]
+        sent = [_recorded_step(q, k, v, dout, states[comm], p, kern, kw)
+                for kern, (comm, _, kw) in zip(kernels, variants)]
         calls = [list(kern.calls) for kern in kernels]
         for kern in kernels:
             kern.reset()
         times = _interleaved(steps, {**p, "warmup": max(0, p["warmup"] - 1)}, device, distributed=True)
-        for (label, kw), kern, step, t, c, (fwd, bwd) in zip(masks, kernels, steps, times, calls, sent):
+        for (comm, label, kw), kern, step, t, c, (fwd, bwd) in zip(variants, kernels, steps, times, calls, sent):
             row = {
-                "config": name, "ring": R, "ulysses": U, "mask": label, "rank": dist.get_rank(),
+                "config": name, "ring": R, "ulysses": U, "ring_comm": comm, "mask": label, "rank": dist.get_rank(),
                 **_summary(t), "kernel_ms": 1e3 * kern.total_seconds() / p["iters"], "kernel_calls": len(c),
                 "ring_bytes_sent_fwd": fwd, "ring_bytes_sent_bwd": bwd,
             }
             if p["memory"]:
                 row["peak_bytes"] = _peak_bytes(step, device)
                 row["maxrss_bytes"] = maxrss_bytes()
+                # Buffers the state keeps between calls (Note [Workspace]), not in the peak above.
+                row["workspace_bytes"] = states[comm].workspace.nbytes
             if p["efficiency"] and R > 1:
                 pairs = plan_figures(p, R, U, kw)["per_rank"][state.cp_rank]["pairs"]
                 row.update(_kernel_efficiency(p, c, kern, pairs, device, dtype, row["kernel_ms"] / 1e3))
             rows.append(row)
-        state.close()  # each gloo group left open keeps a polling thread (timings of later configs)
+        for st in states.values():
+            st.close()  # each gloo group left open keeps a polling thread (timings of later configs)
     return rows
+
+
+def _comms(p: dict, R: int) -> list[str]:
+    """The K/V transports a configuration runs: those asked for, only ``"p2p"`` without a ring
+    (``R == 1``: nothing travels, the transports are the same computation)."""
+    comms = p["ring_comms"]
+    return comms if R > 1 else comms[:1]
 
 
 def _kernel_efficiency(
@@ -375,45 +412,73 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _summarise(p: dict, single: list[dict] | None, per_rank: list[list[dict]], configs, world: int) -> dict:
     masks = _masks(p)
     entries = []
-    rows_by_key: dict[tuple[str, str], list[dict]] = {}
+    rows_by_key: dict[tuple[str, str, str], list[dict]] = {}
     for rank_rows in per_rank:
         for row in rank_rows:
-            rows_by_key.setdefault((row["config"], row["mask"]), []).append(row)
-    for name, R, U in configs:
-        for m, (label, kw) in enumerate(masks):
-            rows = rows_by_key[(name, label)][: R * U]  # one CP group
-            first = rows[0]
-            plan = plan_figures(p, R, U, kw)
-            kernel_ms = [r["kernel_ms"] for r in rows]
-            entry = {
-                "config": name, "ring": R, "ulysses": U, "mask": label, "mask_plan": plan["mask"],
-                "time_ms": first["time_ms"],  # already the slowest rank's, per iteration
-                "min_time_ms": first["min_time_ms"], "times_ms": first["times_ms"],
-                "kernel_ms_per_rank": kernel_ms,
-                "kernel_calls_per_rank": [r["kernel_calls"] for r in rows],
-                "ring_bytes_sent_measured_per_rank": [[r["ring_bytes_sent_fwd"], r["ring_bytes_sent_bwd"]] for r in rows],
-                # fwd+bwd kernel wall time per attended (query, key, head) triple, slowest rank.
-                "kernel_ns_per_pair": max(1e6 * k / max(1, f["pairs"]) for k, f in zip(kernel_ms, plan["per_rank"])),
-                "plan": plan,
-            }
-            if single is not None:
-                entry["speedup_vs_single"] = single[m]["time_ms"] / first["time_ms"]
-            if "peak_bytes" in first:
-                entry["peak_bytes_per_rank"] = [r["peak_bytes"] for r in rows]
-                entry["maxrss_bytes_per_rank"] = [r["maxrss_bytes"] for r in rows]
-                if single is not None and single[m].get("peak_bytes"):
-                    entry["peak_vs_single"] = max(r["peak_bytes"] for r in rows) / single[m]["peak_bytes"]
-            if "replay_ms" in first:
-                for key in ("kernel_efficiency", "replay_efficiency", "monolithic_ms", "replay_ms", "monolithic_seq_len"):
-                    entry[key + "_per_rank"] = [r[key] for r in rows]
-            entries.append(entry)
+            rows_by_key.setdefault((row["config"], row["ring_comm"], row["mask"]), []).append(row)
+    variants = [(name, R, U, comm, m, label, kw) for name, R, U in configs for comm in _comms(p, R)
+                for m, (label, kw) in enumerate(masks)]
+    for name, R, U, comm, m, label, kw in variants:
+        rows = rows_by_key[(name, comm, label)][: R * U]  # one CP group
+        first = rows[0]
+        plan = plan_figures(p, R, U, kw, comm)
+        kernel_ms = [r["kernel_ms"] for r in rows]
+        entry = {
+            "config": name, "ring": R, "ulysses": U, "ring_comm": comm, "mask": label, "mask_plan": plan["mask"],
+            "time_ms": first["time_ms"],  # already the slowest rank's, per iteration
+            "min_time_ms": first["min_time_ms"], "times_ms": first["times_ms"],
+            "kernel_ms_per_rank": kernel_ms,
+            "kernel_calls_per_rank": [r["kernel_calls"] for r in rows],
+            "ring_bytes_sent_measured_per_rank": [[r["ring_bytes_sent_fwd"], r["ring_bytes_sent_bwd"]] for r in rows],
+            # fwd+bwd kernel wall time per attended (query, key, head) triple, slowest rank.
+            "kernel_ns_per_pair": max(1e6 * k / max(1, f["pairs"]) for k, f in zip(kernel_ms, plan["per_rank"])),
+            "plan": plan,
+        }
+        if single is not None:
+            entry["speedup_vs_single"] = single[m]["time_ms"] / first["time_ms"]
+        if "peak_bytes" in first:
+            entry["peak_bytes_per_rank"] = [r["peak_bytes"] for r in rows]
+            entry["maxrss_bytes_per_rank"] = [r["maxrss_bytes"] for r in rows]
+            entry["workspace_bytes_per_rank"] = [r["workspace_bytes"] for r in rows]
+            if single is not None and single[m].get("peak_bytes"):
+                entry["peak_vs_single"] = max(r["peak_bytes"] for r in rows) / single[m]["peak_bytes"]
+        if "replay_ms" in first:
+            for key in ("kernel_efficiency", "replay_efficiency", "monolithic_ms", "replay_ms", "monolithic_seq_len"):
+                entry[key + "_per_rank"] = [r[key] for r in rows]
+        entries.append(entry)
     report = {"problem": p, "world": world, "single_device": single, "configs": entries}
+    if "allgather" in p["ring_comms"] and len(p["ring_comms"]) > 1:
+        report["allgather_vs_p2p"] = [
+            _comm_ratios(e, a) for e in entries for a in entries
+            if e["ring_comm"] == "p2p" and a["ring_comm"] == "allgather"
+            and (e["config"], e["mask"]) == (a["config"], a["mask"])
+        ]
     if p["window"] is not None or p.get("frames") is not None:
         report["window_vs_full"] = [
             _window_ratios(entries[i], entries[i + 1], targets=p["window"] is not None)
             for i in range(0, len(entries), 2)
         ]
     return report
+
+
+def _held(entry: dict) -> int | None:
+    """Largest per-rank peak of one iteration plus the workspace the state keeps between calls."""
+    if "peak_bytes_per_rank" not in entry or None in entry["peak_bytes_per_rank"]:
+        return None
+    return max(a + b for a, b in zip(entry["peak_bytes_per_rank"], entry["workspace_bytes_per_rank"]))
+
+
+def _comm_ratios(p2p: dict, gathered: dict) -> dict:
+    """all-gather/p2p figures of one configuration and mask (same tensors, interleaved iterations)."""
+    pp, pg = p2p["plan"], gathered["plan"]
+    return {
+        "config": p2p["config"], "ring": p2p["ring"], "ulysses": p2p["ulysses"], "mask": p2p["mask"],
+        "time_ms_p2p": p2p["time_ms"], "time_ms_allgather": gathered["time_ms"],
+        "time_ratio": _ratio(gathered["time_ms"], p2p["time_ms"]),
+        "held_bytes_p2p": _held(p2p), "held_bytes_allgather": _held(gathered),
+        "memory_ratio": _ratio(_held(gathered), _held(p2p)),
+        "ring_bytes_fwd_bwd_ratio_max_rank": _ratio(pg["ring_bytes_fwd_bwd_max"], pp["ring_bytes_fwd_bwd_max"]),
+    }
 
 
 def _window_ratios(full: dict, win: dict, targets: bool = True) -> dict:
@@ -452,7 +517,7 @@ def _text(report: dict) -> str:
         f"backend={p['backend']} on {report['world']} ranks ({p['device']}, {p['cpu_cores']} usable CPU "
         f"cores, {p['threads_per_rank']} thread(s) per rank), median of {p['iters']} fwd+bwd iterations"
     )
-    cols = ["config", "mask", "R x U", "median ms", "min ms", "kernel ms", "ns/pair", "fwd GFLOP",
+    cols = ["config", "K/V by", "mask", "R x U", "median ms", "min ms", "kernel ms", "ns/pair", "fwd GFLOP",
             "ring KV MiB fwd", "ring MiB f+b", "pairs max/mean"]
     if single is not None:
         cols.append("speedup")
@@ -468,7 +533,7 @@ def _text(report: dict) -> str:
     rows = []
     if single is not None:
         for (label, _), s in zip(_masks(p), single):
-            row = ["single", label, "1 x 1", f"{s['time_ms']:.1f}", f"{s['min_time_ms']:.1f}", None, None,
+            row = ["single", None, label, "1 x 1", f"{s['time_ms']:.1f}", f"{s['min_time_ms']:.1f}", None, None,
                    None, None, None, None, "1.00"]
             if p["memory"]:
                 row += [_fmt(s.get("peak_bytes", 0) * mib, ".1f"), "1.00"]
@@ -478,7 +543,8 @@ def _text(report: dict) -> str:
     for c in report["configs"]:
         pl = c["plan"]
         row = [
-            c["config"], c["mask"], f"{c['ring']} x {c['ulysses']}", f"{c['time_ms']:.1f}", f"{c['min_time_ms']:.1f}",
+            c["config"], c["ring_comm"] if c["ring"] > 1 else None, c["mask"], f"{c['ring']} x {c['ulysses']}",
+            f"{c['time_ms']:.1f}", f"{c['min_time_ms']:.1f}",
             f"{max(c['kernel_ms_per_rank']):.1f}", f"{c['kernel_ns_per_pair']:.2f}",
             f"{pl['fwd_flops_max'] / 1e9:.2f}", f"{pl['ring_kv_bytes_fwd_max'] * mib:.2f}",
             f"{pl['ring_bytes_fwd_bwd_max'] * mib:.2f}", f"{pl['pairs_max_over_mean']:.3f}",
@@ -486,7 +552,7 @@ def _text(report: dict) -> str:
         if single is not None:
             row.append(_fmt(c.get("speedup_vs_single"), ".2f"))
         if p["memory"]:
-            row += [f"{max(c['peak_bytes_per_rank']) * mib:.1f}", _fmt(c.get("peak_vs_single"), ".2f")]
+            row += [_fmt(max(c["peak_bytes_per_rank"]) * mib, ".1f"), _fmt(c.get("peak_vs_single"), ".2f")]
         if p["efficiency"]:
             row += [span(c.get("kernel_efficiency_per_rank")), span(c.get("replay_efficiency_per_rank"))]
         rows.append(row)
@@ -499,6 +565,18 @@ def _text(report: dict) -> str:
     if p["efficiency"]:
         parts.append("kernel eff = one equal-FLOP non-causal kernel call / the ring's kernel calls (min-max over "
                      "ranks); replay eff = the same with the ring's calls replayed outside the ring")
+    if report.get("allgather_vs_p2p"):
+        ccols = ["config", "R x U", "mask", "p2p ms", "allgather ms", "time ag/p2p", "held MiB p2p",
+                 "held MiB ag", "memory ag/p2p", "ring bytes ag/p2p"]
+        crows = [[
+            r["config"], f"{r['ring']} x {r['ulysses']}", r["mask"], _fmt(r["time_ms_p2p"], ".1f"),
+            _fmt(r["time_ms_allgather"], ".1f"), _fmt(r["time_ratio"]),
+            _fmt(r["held_bytes_p2p"] and r["held_bytes_p2p"] * mib, ".1f"),
+            _fmt(r["held_bytes_allgather"] and r["held_bytes_allgather"] * mib, ".1f"), _fmt(r["memory_ratio"]),
+            _fmt(r["ring_bytes_fwd_bwd_ratio_max_rank"]),
+        ] for r in report["allgather_vs_p2p"]]
+        parts += ["", "all-gather K/V / ring p2p, same tensors, iterations interleaved (held = peak of one "
+                  "fwd+bwd + the workspace the state keeps; max rank):", table(ccols, crows)]
     if report.get("window_vs_full"):
         wcols = ["config", "R x U", "FLOPs w/f", "pairs w/f (all)", "KV bytes w/f", "posted w/f", "KV bytes w/f (all)",
                  "f+b bytes w/f", "time w/f", "kernel time w/f", "ns/pair full", "ns/pair window",
@@ -538,6 +616,9 @@ def main() -> None:
                         help="compare block-causal attention over F equal frames (seqpar.MaskSlices.block_causal: "
                              "frame b sees frames <= b) with full causal attention")
     parser.add_argument("--backend", default="auto", help="attention backend")
+    parser.add_argument("--ring-comm", default="p2p", metavar="COMMS",
+                        help="K/V transports of the ring, comma-separated: p2p, allgather or p2p,allgather "
+                             "(both timed in one run, interleaved; default: p2p)")
     parser.add_argument("--iters", type=int, default=3,
                         help="timed forward+backward iterations; the median is reported")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations before timing")
@@ -562,6 +643,9 @@ def main() -> None:
             )
     if args.iters < 1:
         raise SystemExit(f"--iters must be >= 1, got {args.iters}")
+    ring_comms = [c.strip() for c in args.ring_comm.split(",") if c.strip()]
+    if not ring_comms or any(c not in ("p2p", "allgather") for c in ring_comms) or len(set(ring_comms)) < len(ring_comms):
+        raise SystemExit(f"--ring-comm must list p2p and/or allgather once each, got {args.ring_comm!r}")
     if args.frames is not None and (args.frames < 2 or args.frames > args.seq_len or args.window is not None):
         raise SystemExit(f"--frames must be in [2, --seq-len] and without --window, got {args.frames}")
     compare = args.window is not None or args.frames is not None
@@ -578,7 +662,7 @@ def main() -> None:
             "iters": args.iters, "warmup": args.warmup, "seed": args.seed, "device": device,
             "memory": not compare if args.memory is None else args.memory,
             "efficiency": not compare if args.efficiency is None else args.efficiency,
-            "cpu_cores": usable_cores(), "threads_per_rank": 1,
+            "cpu_cores": usable_cores(), "threads_per_rank": 1, "ring_comms": ring_comms,
         }
         if ranks.torchrun:
             p["threads_per_rank"] = torch.get_num_threads()
@@ -629,7 +713,8 @@ def _chart(report: dict) -> tuple[str, list[str], list[Panel]]:
                 [f"{w['config']} {w['ring']} x {w['ulysses']}" for w in rows],
                 [Panel("window / full causal (lower is better; 1.0 = no saving)", series)])
     configs = report["configs"]
-    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" for c in configs]
+    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" + (" allgather" if c.get("ring_comm") == "allgather" else "")
+              for c in configs]
     panels = []
     if report["single_device"] is not None:
         panels.append(Panel("speedup: single time / time (higher is better)",
@@ -656,6 +741,9 @@ def _bytes_check(report: dict) -> str:
         for cp, (plan, measured) in enumerate(zip(c["plan"]["per_rank"], c["ring_bytes_sent_measured_per_rank"])):
             if None in measured:
                 unmeasured = True
+            elif c["ring_comm"] == "allgather" and c["ring"] > 1:
+                if measured != [0, 0]:  # the all-gather transport sends nothing point-to-point
+                    bad.append(f"{c['config']} allgather {c['mask']} cp rank {cp}: {measured} bytes sent point-to-point")
             elif measured != [plan["ring_kv_bytes_fwd"], plan["ring_bytes_bwd"]]:
                 bad.append(f"{c['config']} {c['mask']} cp rank {cp}: plan fwd/bwd "
                            f"{plan['ring_kv_bytes_fwd']}/{plan['ring_bytes_bwd']}, measured {measured[0]}/{measured[1]}")

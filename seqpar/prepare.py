@@ -50,11 +50,13 @@ from .checks import (
     check_value_shape,
 )
 from .comm import exchange_ints
+from .parallel.allgather import AllGatherSetup
 from .parallel.hybrid import HybridSetup
 from .parallel.replicated import ReplicatedSetup
 from .parallel.ring import RingSetup
 from .parallel.ulysses import UlyssesSetup
 from .placement import Mask, MaskSlices, Placement, RingPlan, ring_plan
+from .placement.gather import GatherPlan, gather_plan
 from .placement.sizes import as_int, check_seq_lens
 from .state import ParallelState, require_state
 
@@ -159,6 +161,16 @@ def _cached_plan(
     return placement, ring_plan(placement, ring_rank, mask, varlen=varlen)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_gather(
+    seq_lens: tuple[int, ...], free: tuple[int, ...] | None, ring_size: int, ulysses_size: int,
+    ring_rank: int, mask: Mask, varlen: bool,
+) -> GatherPlan:
+    """This ring rank's all-gather layout (Note [All-gather K/V]), from every ring rank's plan."""
+    plans = [_cached_plan(seq_lens, free, ring_size, ulysses_size, j, mask, varlen)[1] for j in range(ring_size)]
+    return gather_plan(plans, ring_rank)
+
+
 @functools.lru_cache(maxsize=256)
 def _dense_lengths(seq_len: int, ring_size: int, ulysses_size: int) -> tuple[int, ...]:
     """Every CP rank's token count of a dense sequence (cached: called on every layer)."""
@@ -204,6 +216,9 @@ def build_call(
     if mask.alibi != (alibi is not None):
         raise RuntimeError("seqpar internal error: ALiBi slopes and the mask's alibi flag disagree")
     ring = RingSetup(state.ring_group, plan, backend, scale, softcap, state.workspace, alibi=alibi)
+    if state.ring_comm == "allgather" and R > 1:
+        gather = _cached_gather(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
+        ring = AllGatherSetup(ring, gather)
     ulysses = None
     if U > 1:
         ulysses = UlyssesSetup.build(
@@ -367,12 +382,12 @@ def prepare_dense(
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(o.causal), *o.window,
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
-            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes),
+            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), int(state.ring_comm == "allgather"),
         ]
 
     names = (
         "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, "
-        "seq_len, mask slices hash, ALiBi slopes hash)"
+        "seq_len, mask slices hash, ALiBi slopes hash, ring_comm allgather)"
     )
     mask = Mask(o.causal, o.window, o.chunk_size, o.slices, slopes is not None)
     body = S - o.prefix - o.suffix
@@ -440,10 +455,13 @@ def prepare_varlen(
         return [
             *_seq_lens_digest(lens), H, Hkv, D, v.shape[-1], _DTYPE_CODES.get(q.dtype, 0),
             int(causal), *window, -1 if chunk_size is None else chunk_size, int(sinks is not None),
-            _bits(scale), _bits(softcap),
+            _bits(scale), _bits(softcap), int(state.ring_comm == "allgather"),
         ]
 
-    names = "(seq_lens fingerprint: count, sum, hash x2; H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, scale, softcap)"
+    names = (
+        "(seq_lens fingerprint: count, sum, hash x2; H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, "
+        "scale, softcap, ring_comm allgather)"
+    )
     if collective_checks(state, q.device, lengths_known=True):
         got = _exchange_lengths(T, 0, signature, names, state, q.device, where)
     else:  # only this rank's count can be checked without communication

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 Checks = Literal["auto", "always", "never"]
 _CHECKS = ("auto", "always", "never")
+RingComm = Literal["p2p", "allgather"]
+_RING_COMMS = ("p2p", "allgather")
 
 __all__ = ["ParallelState", "require_state"]
 
@@ -168,11 +170,17 @@ class ParallelState:
             ``"always"`` on every call; ``"never"`` only when ``seq_len`` is unknown. With
             ``"auto"``, ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` in the environment at construction
             means ``"always"``.
+        ring_comm: how K/V travel over the ring group (``docs/performance.md``, "All-gather K/V vs
+            ring p2p"): ``"p2p"`` (default), one hop per ring step overlapping that step's
+            kernels; ``"allgather"``, one all-gather of every row some rank's plan reads (Llama 3
+            style: fewer, larger transfers, all of the group's needed K/V held at once) and a
+            reduce-scatter of dK/dV in the backward. Same plans, masks and results.
 
     Attributes:
         ring_size, ring_rank, ring_group, ulysses_size, ulysses_rank, ulysses_group,
         cp_size, cp_rank, cp_group, dp_size, dp_rank, dp_group. Groups are ``None`` only in a
         process with no process group (then every size is 1 and every rank 0).
+        ring_comm: ``"p2p"`` or ``"allgather"``, as given.
         workspace: scratch buffers that attention calls on this state reuse (staging copies,
             ring transfer buffers; Note [Workspace] in ``seqpar.comm.workspace``);
             ``state.workspace.clear()`` frees them.
@@ -183,7 +191,8 @@ class ParallelState:
     Raises:
         ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
             divide the parent group's size, if sizes > 1 are asked for without a process group,
-            or if this process is not a member of ``group``.
+            if this process is not a member of ``group``, or if ``ring_comm`` is not one of
+            ``"p2p"``, ``"allgather"``.
 
     Every rank of the parent group must construct the state with the same arguments (it creates
     process groups). Example: 8 ranks, ``ParallelState(ring_size=2, ulysses_size=2)`` gives
@@ -209,6 +218,7 @@ class ParallelState:
     workspace: Workspace = field(default_factory=Workspace)
     checks: Checks = "auto"
     timeout: timedelta | None = None
+    ring_comm: RingComm = "p2p"
 
     def __init__(
         self,
@@ -218,8 +228,9 @@ class ParallelState:
         *,
         timeout: timedelta | None = None,
         checks: Checks = "auto",
+        ring_comm: RingComm = "p2p",
     ) -> None:
-        self._begin(checks, "ParallelState")
+        self._begin(checks, "ParallelState", ring_comm)
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"ParallelState: timeout must be a datetime.timedelta or None, got {timeout!r}")
         ring_size = _check_size("ring_size", ring_size)
@@ -314,6 +325,7 @@ class ParallelState:
         ring: str | None = "ring",
         ulysses: str | None = "ulysses",
         checks: Checks = "auto",
+        ring_comm: RingComm = "p2p",
     ) -> ParallelState:
         """The state whose groups are the process groups of a ``torch`` ``DeviceMesh`` (collective).
 
@@ -345,7 +357,7 @@ class ParallelState:
             cp: name of a single context-parallel axis, run as a ring.
             ring: name of the ring axis of a hybrid mesh.
             ulysses: name of the Ulysses axis of a hybrid mesh.
-            checks: as for :class:`ParallelState`.
+            checks, ring_comm: as for :class:`ParallelState`.
 
         Returns:
             A :class:`ParallelState` with the same rank layout as ``ParallelState(R, U,
@@ -372,7 +384,7 @@ class ParallelState:
                 f"{mesh.mesh.tolist()}; build the state only on the mesh's ranks"
             )
         state = cls.__new__(cls)
-        state._begin(checks, where)
+        state._begin(checks, where, ring_comm)
         size = {role: mesh.size(axis) for role, axis in roles.items()}
         rank = {role: coordinate[axis] for role, axis in roles.items()}
         ring_size, ulysses_size, dp_size = size.get("ring", 1), size.get("ulysses", 1), size.get("dp", 1)
@@ -440,8 +452,14 @@ class ParallelState:
             groups, shape, axes = [self.dp_group, self.cp_group], (self.dp_size, self.cp_size), ("dp", "cp")
         return DeviceMesh.from_group(groups, device_type, mesh=ranks.reshape(shape), mesh_dim_names=axes)
 
-    def _begin(self, checks: object, where: str) -> None:
-        """Bookkeeping shared by every constructor: workspace, handle, ``checks``."""
+    def _begin(self, checks: object, where: str, ring_comm: object = "p2p") -> None:
+        """Bookkeeping shared by every constructor: workspace, handle, ``checks``, ``ring_comm``."""
+        if not isinstance(ring_comm, str) or ring_comm not in _RING_COMMS:
+            raise ValueError(
+                f"{where}: ring_comm must be one of {list(_RING_COMMS)}, got {ring_comm!r} "
+                '("p2p": K/V hop around the ring; "allgather": one all-gather of the ring group)'
+            )
+        self.ring_comm = ring_comm
         self.workspace = Workspace()
         self._created: list = []  # groups this state created and :meth:`close` destroys
         self._closed = False
@@ -497,7 +515,7 @@ class ParallelState:
         return (
             f"ParallelState(ring {self.ring_rank}/{self.ring_size}, ulysses "
             f"{self.ulysses_rank}/{self.ulysses_size}, cp {self.cp_rank}/{self.cp_size}, "
-            f"dp {self.dp_rank}/{self.dp_size})"
+            f"dp {self.dp_rank}/{self.dp_size}, ring_comm {self.ring_comm!r})"
         )
 
 

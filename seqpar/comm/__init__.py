@@ -17,6 +17,7 @@ from .group import (
     group_timeout,
     refuse_double_backward,
 )
+from .async_collectives import start_all_gather, start_reduce_scatter
 from .p2p import Pending, post
 from .workspace import Workspace
 
@@ -44,4 +45,6 @@ __all__ = [
     "reduce_",
     "post",
     "Pending",
+    "start_all_gather",
+    "start_reduce_scatter",
 ]

@@ -10,6 +10,7 @@ here reaches both paths::
     this rank's shard [B, S_local, H, D]             (replicated rows split off first, if any)
       -> Ulysses all-to-all over the Ulysses group    [B, S_ring_local, H_u, D]    (U > 1)
       -> the ring plan over the ring group            kernels per block, fp32 LSE merge
+                                                      (K/V by p2p hops or one all-gather)
       -> Ulysses all-to-all back                      [B, S_local, H, Dv]          (U > 1)
     replicated rows (joint text tokens): attend the replicated keys and every rank's shard,
     merged over the CP group (Note [Replicated tokens]); the shard's rows see the replicated
@@ -31,9 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .allgather import AllGatherSetup, kv_backward, kv_forward
 from .merge import accumulator_dtype
 from .replicated import ReplicatedSetup, replicated_backward, replicated_forward
-from .ring import RingSetup, ring_backward, ring_forward
+from .ring import RingSetup
 from .ulysses import UlyssesSetup, ulysses_ring_backward, ulysses_ring_forward
 
 __all__ = ["HybridSetup", "hybrid_forward", "hybrid_backward"]
@@ -44,13 +46,15 @@ class HybridSetup:
     """Everything one call's composition needs besides its tensors.
 
     Attributes:
-        ring: the ring over this rank's (head-sharded) tokens.
+        ring: the ring over this rank's (head-sharded) tokens: a :class:`RingSetup` (point-to-point
+            transport) or an :class:`~seqpar.parallel.allgather.AllGatherSetup` (the same plan
+            by all-gather, ``ring_comm="allgather"``; Note [All-gather K/V]).
         ulysses: the Ulysses exchange, or None when ``ulysses_size == 1``.
         replicated: the merge of replicated queries over the CP group, or None without them.
         prefix, suffix: replicated rows before / after the shard's rows.
     """
 
-    ring: RingSetup
+    ring: RingSetup | AllGatherSetup
     ulysses: UlyssesSetup | None
     replicated: ReplicatedSetup | None
     prefix: int = 0
@@ -59,13 +63,13 @@ class HybridSetup:
 
 def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple[Tensor, Tensor]:
     if setup.ulysses is None:
-        return ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ring)
+        return kv_forward(q, k, v, sinks, extra_k, extra_v, setup.ring)
     return ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ulysses, setup.ring)
 
 
 def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse):
     if setup.ulysses is None:
-        return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
+        return kv_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
     return ulysses_ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring)
 
 

@@ -33,7 +33,8 @@ from ..comm import (
 from ..placement.heads import HeadAssignment, all_heads, cached_head_assignments, head_assignments
 from ..placement.sizes import offsets, split_sizes
 from .merge import accumulator_dtype
-from .ring import RingSetup, ring_backward, ring_forward
+from .allgather import AllGatherSetup, kv_backward, kv_forward
+from .ring import RingSetup
 
 # head_assignments / HeadAssignment live in seqpar.placement.heads; re-exported under their old path.
 __all__ = [
@@ -274,14 +275,16 @@ def _place(heads: HeadAssignment, grad: Tensor | None, like: Tensor | None, kind
     return full
 
 
-def _my_slopes(run: RingSetup, mine) -> RingSetup:
+def _my_slopes(run: RingSetup | AllGatherSetup, mine) -> RingSetup | AllGatherSetup:
     """``run`` with its ALiBi slopes (one per query head of the call) cut to this rank's heads."""
+    if isinstance(run, AllGatherSetup):
+        return dataclasses.replace(run, ring=_my_slopes(run.ring, mine))
     return run if run.alibi is None else dataclasses.replace(run, alibi=mine.q_heads(run.alibi, 0))
 
 
 def ulysses_ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
-    spec: UlyssesSetup, run: RingSetup,
+    spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor]:
     """Ulysses around the ring (no autograd; Note [Ulysses memory]).
 
@@ -300,7 +303,7 @@ def ulysses_ring_forward(
     q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
     if mine.q_len:
         run = _my_slopes(run, mine)
-        out_u, lse_u = ring_forward(
+        out_u, lse_u = kv_forward(
             q_u, _expand(mine, k_u), _expand(mine, v_u),
             None if sinks is None else mine.q_heads(sinks, 0),
             None if extra_k is None else mine.kv_heads(extra_k, 2),
@@ -317,7 +320,7 @@ def ulysses_ring_forward(
 
 def ulysses_ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse_u: Tensor, spec: UlyssesSetup, run: RingSetup,
+    extra_v: Tensor | None, out: Tensor, lse_u: Tensor, spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``."""
@@ -329,7 +332,7 @@ def ulysses_ring_backward(
         s = None if sinks is None else mine.q_heads(sinks, 0)
         ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
         ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
-        dq_u, dk_u, dv_u, ds, d_ek, d_ev = ring_backward(
+        dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(
             dout_u, q_u, _expand(mine, k_u), _expand(mine, v_u), s, ek, ev, out_u, lse_u, run
         )
         dk_u, dv_u = _unexpand(mine, dk_u), _unexpand(mine, dv_u)

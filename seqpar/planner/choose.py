@@ -20,6 +20,7 @@ __all__ = ["DegreePlan", "plan", "TIE_RTOL"]
 # (measured choices are checked to within 10% in tests/test_planner.py), so 205 ms against 206 ms
 # says nothing about which split is faster.
 TIE_RTOL = 0.02
+RING_COMMS = ("auto", "p2p", "allgather")
 
 
 def _mib(nbytes: float) -> str:
@@ -44,7 +45,8 @@ class DegreePlan:
         cp_size: ``N``; ranks_per_node: consecutive ranks sharing a node.
         shape: the layer (``seq_len``, heads, ``head_dim``, ``batch``, mask, element size).
         cost: the :class:`~seqpar.planner.CostModel` used.
-        candidates: one :class:`~seqpar.planner.Candidate` per factorisation ``R x U = N``,
+        candidates: one :class:`~seqpar.planner.Candidate` per factorisation ``R x U = N`` and
+            K/V transport (``R > 1``: ``"p2p"`` then ``"allgather"`` when both are considered),
             by increasing ring size.
         chosen: the candidate with the lowest predicted time (ties: less memory).
         explanation: one paragraph saying why.
@@ -69,38 +71,50 @@ class DegreePlan:
         return self.chosen.ulysses_size
 
     @property
+    def ring_comm(self) -> str:
+        """The chosen K/V transport, ``"p2p"`` or ``"allgather"`` (``ParallelState(ring_comm=...)``)."""
+        return self.chosen.ring_comm
+
+    @property
     def tied(self) -> tuple[Candidate, ...]:
         """The other candidates predicted within ``TIE_RTOL`` (2%) of the chosen one's time: as fast
         as far as the cost model can tell."""
         limit = self.chosen.time_s * (1 + TIE_RTOL)
         return tuple(c for c in self.candidates if c is not self.chosen and c.time_s <= limit)
 
-    def candidate(self, ring_size: int, ulysses_size: int) -> Candidate:
-        """The prediction for ``R x U``.
+    def candidate(self, ring_size: int, ulysses_size: int, ring_comm: str | None = None) -> Candidate:
+        """The prediction for ``R x U`` with K/V transport ``ring_comm`` (``None``: the first
+        considered, ``"p2p"`` unless only ``"allgather"`` was).
 
         Raises:
-            ValueError: ``R * U`` is not a factorisation of ``cp_size``, listing the valid ones.
+            ValueError: ``R * U`` is not a factorisation of ``cp_size`` (or was not predicted with
+                ``ring_comm``), listing the valid ones.
         """
         for c in self.candidates:
-            if (c.ring_size, c.ulysses_size) == (ring_size, ulysses_size):
+            if (c.ring_size, c.ulysses_size) == (ring_size, ulysses_size) and ring_comm in (None, c.ring_comm):
                 return c
-        valid = [(c.ring_size, c.ulysses_size) for c in self.candidates]
-        raise ValueError(f"DegreePlan.candidate: ({ring_size}, {ulysses_size}) is not one of {valid}")
+        valid = sorted({(c.ring_size, c.ulysses_size, c.ring_comm) for c in self.candidates})
+        what = (ring_size, ulysses_size) if ring_comm is None else (ring_size, ulysses_size, ring_comm)
+        raise ValueError(f"DegreePlan.candidate: {what} is not one of {valid}")
 
     def state(self, group: dist.ProcessGroup | None = None) -> ParallelState:
-        """``ParallelState(ring_size=R, ulysses_size=U, group=group)`` of the chosen factorisation
-        (a collective constructor: every rank of ``group`` calls it)."""
-        return ParallelState(ring_size=self.ring_size, ulysses_size=self.ulysses_size, group=group)
+        """``ParallelState(ring_size=R, ulysses_size=U, group=group, ring_comm=...)`` of the chosen
+        factorisation and transport (a collective constructor: every rank of ``group`` calls it)."""
+        return ParallelState(
+            ring_size=self.ring_size, ulysses_size=self.ulysses_size, group=group, ring_comm=self.ring_comm
+        )
 
     def table(self) -> str:
         """The candidates as a plain-text table (the chosen one marked ``*``, ties ``=``)."""
-        head = ("", "ring x ulysses", "time/layer", "all-to-all", "ring K/V", "memory", "imbalance", "heads/rank")
+        head = ("", "ring x ulysses", "K/V by", "time/layer", "all-to-all", "ring K/V", "memory", "imbalance",
+                "heads/rank")
         rows = [head]
         for c in self.candidates:
             heads = sorted(set(c.heads))
             rows.append((
                 "*" if c is self.chosen else "=" if c in self.tied else "",
                 f"{c.ring_size} x {c.ulysses_size}",
+                "-" if c.ring_size == 1 else c.ring_comm,
                 _ms(c.time_s),
                 _mib(c.ulysses_bytes),
                 _mib(c.ring_bytes),
@@ -113,6 +127,13 @@ class DegreePlan:
 
     def __str__(self) -> str:
         return f"{self.table()}\n\n{self.explanation}"
+
+
+def _transfers(c: Candidate) -> str:
+    """How a candidate's ring moves K/V, for the explanation."""
+    if c.ring_comm == "allgather":
+        return "in one all-gather (and a reduce-scatter back)"
+    return f"over {c.ring_size - 1} steps"
 
 
 def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, cands: list[Candidate],
@@ -156,7 +177,7 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
             "ring transfer": (
                 f"its ring adds {_ms(best.parts['ring transfer'])} to the compute against "
                 f"{_ms(runner.parts['ring transfer'])} (the ring sends {_mib(best.ring_bytes)} per rank against "
-                f"{_mib(runner.ring_bytes)} over {best.ring_size - 1} against {runner.ring_size - 1} steps; "
+                f"{_mib(runner.ring_bytes)} {_transfers(best)} against {_transfers(runner)}; "
                 f"{cost.overlap:.0%} of a step's shorter side hidden by overlap)"
             ),
             "kernels": (
@@ -200,6 +221,15 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
             f"If memory is tight, {lightest.label()} holds {_mib(lightest.memory_bytes)} per rank against "
             f"{_mib(best.memory_bytes)}."
         )
+    twin = next((c for c in cands if c is not best and (c.ring_size, c.ulysses_size) ==
+                 (best.ring_size, best.ulysses_size)), None)
+    if twin is not None:  # the same split with the other K/V transport
+        how = {"p2p": "point-to-point hops overlapping every step", "allgather": "one all-gather of the ring group"}
+        parts.append(
+            f"K/V travel by {how[best.ring_comm]} (ring_comm={best.ring_comm!r}): {_ms(best.time_s)} and "
+            f"{_mib(best.memory_bytes)} per rank, against {_ms(twin.time_s)} and {_mib(twin.memory_bytes)} by "
+            f"{how[twin.ring_comm]}."
+        )
     parts.append(f"Costs: {cost.name}.")
     return " ".join(parts)
 
@@ -217,6 +247,7 @@ def plan(
     batch: int = 1,
     window: tuple[int, int] = (-1, -1),
     cost: CostModel | None = None,
+    ring_comm: str = "auto",
 ) -> DegreePlan:
     """Choose the ring and Ulysses sizes of a CP group for one attention layer shape.
 
@@ -237,14 +268,17 @@ def plan(
         batch: ``B``, sequences per step.
         cost: a :class:`~seqpar.planner.CostModel` (``seqpar.planner.calibrate`` measures one);
             ``None``: ``CostModel.preset("h100")``.
+        ring_comm: the K/V transports to consider for ``R > 1``: ``"auto"`` both, ``"p2p"`` or
+            ``"allgather"`` one (``ParallelState(ring_comm=...)``; ``docs/performance.md``).
 
     Returns:
-        A :class:`DegreePlan`: ``.ring_size``, ``.ulysses_size``, every candidate's bytes,
-        memory, balance and time, ``.explanation``, and ``.state(group)`` to build the state.
+        A :class:`DegreePlan`: ``.ring_size``, ``.ulysses_size``, ``.ring_comm``, every
+        candidate's bytes, memory, balance and time, ``.explanation``, and ``.state(group)`` to
+        build the state.
 
     Raises:
         ValueError: a non-positive or non-int size, ``H`` not a multiple of ``Hkv``, a bad window,
-            a non-floating dtype or a cost that is not a ``CostModel``.
+            a non-floating dtype, a cost that is not a ``CostModel`` or an unknown ``ring_comm``.
     """
     where = "seqpar.plan"
     cp_size = as_int(cp_size, "cp_size", where, minimum=1)
@@ -258,6 +292,8 @@ def plan(
     causal, window, _, _ = check_mask_options(causal, window, None, 0.0, where)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"{where}: dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if not isinstance(ring_comm, str) or ring_comm not in RING_COMMS:
+        raise ValueError(f"{where}: ring_comm must be one of {list(RING_COMMS)}, got {ring_comm!r}")
     if cost is None:
         cost = CostModel.preset("h100")
     if not isinstance(cost, CostModel):
@@ -269,8 +305,11 @@ def plan(
         seq_len, num_heads, num_kv_heads, head_dim, batch, causal, window,
         torch.empty((), dtype=dtype).element_size(),
     )
+    comms = ("p2p", "allgather") if ring_comm == "auto" else (ring_comm,)
     cands = [
-        predict(shape, r, cp_size // r, ranks_per_node, cost) for r in range(1, cp_size + 1) if cp_size % r == 0
+        predict(shape, r, cp_size // r, ranks_per_node, cost, comm)
+        for r in range(1, cp_size + 1) if cp_size % r == 0
+        for comm in (comms if r > 1 else ("p2p",))
     ]
     best = min(cands, key=lambda c: (c.time_s, c.memory_bytes))
     return DegreePlan(

@@ -15,6 +15,11 @@ what ``seqpar.attention`` runs, piece by piece:
    received (``send_rows`` / ``recv_rows``, which already leave out what a causal mask or a window
    never reads) times the rank's K/V heads (expanded as the kernel sees them), and backward the
    same K/V again plus dK/dV going back. Ranks without a query head (``H < U``) skip the ring.
+   With ``ring_comm="allgather"`` (Note [All-gather K/V]) the same plans are served by one
+   all-gather of ``width`` rows per rank (the largest contribution) instead: ``R - 1`` parts
+   of K and V received per rank (ring algorithm: ``R - 1`` messages), overlapping step 0 only,
+   again in the backward, and a reduce-scatter of dK/dV after the last step that overlaps
+   nothing; the step overhead ``ring_step_s`` is paid once per collective, not per step.
 3. **Kernels**: every call of the plan, ``4 * D`` (forward) and ``10 * D`` (backward) FLOPs per
    computed pair and head (``seqpar.placement.cost``, Note [Plan cost]) -- the attended pairs
    (``tile_pairs``) plus the block kind's ``extra_keys`` per query row -- at the cost model's rate
@@ -32,7 +37,9 @@ The memory estimate is the bytes one rank holds at the peak of the layer's backw
 q, k, v, out, dout and their gradients, the head-sharded copies and staging buffers of the
 all-to-alls, the fp32 accumulators, the ring's K/V and gradient buffers (two slots each) and the
 largest kernel result -- the buffers Notes [Workspace] and [Ring schedule] describe, not the
-allocator's fragmentation or kernel scratch.
+allocator's fragmentation or kernel scratch. The all-gather transport holds ``R + 1`` slots of
+``width`` K/V rows (the gathered buffer and the own part) and as many for dK/dV instead of the
+ring's two-step slots.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 
 from ..placement import Mask, Placement, imbalance, ring_plan
 from ..placement.cost import StepWork, kernel_flops, kv_bytes, rank_cost, ring_work
+from ..placement.gather import gather_plan
 from ..placement.heads import HeadAssignment, head_assignments
 from ..placement.ring import RingPlan
 from .cost import CostModel, Link
@@ -87,6 +95,8 @@ class Candidate:
         kv_heads: K/V heads each Ulysses rank receives (``head_assignments``).
         kv_replication: ``sum(kv_heads) / Hkv``: 1.0 when no K/V head is sent to two ranks.
         ulysses_link, ring_link: ``"intra"``, ``"inter"`` (some traffic crosses nodes) or ``"none"``.
+        ring_comm: the K/V transport of the ring, ``"p2p"`` or ``"allgather"`` (Note [All-gather
+            K/V]); ``"p2p"`` when ``R == 1``.
     """
 
     ring_size: int
@@ -102,6 +112,7 @@ class Candidate:
     kv_replication: float
     ulysses_link: str
     ring_link: str
+    ring_comm: str = "p2p"
 
     @property
     def idle_ranks(self) -> int:
@@ -109,8 +120,9 @@ class Candidate:
         return sum(1 for h in self.heads if h == 0)
 
     def label(self) -> str:
-        """``"ring R x ulysses U"``."""
-        return f"ring {self.ring_size} x ulysses {self.ulysses_size}"
+        """``"ring R x ulysses U"``, and ``" (all-gather)"`` for the all-gather transport."""
+        comm = " (all-gather)" if self.ring_comm == "allgather" else ""
+        return f"ring {self.ring_size} x ulysses {self.ulysses_size}{comm}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,9 +215,11 @@ def _link(cost_intra: Link, cost_inter: Link, a: int, b: int, ranks_per_node: in
     return (cost_inter if inter else cost_intra), inter
 
 
-def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int, cost: CostModel) -> Candidate:
-    """The :class:`Candidate` of ``R x U`` for ``shape`` (Note [Planner prediction]); trusted
-    inputs (``seqpar.planner.plan`` validates them)."""
+def predict(
+    shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int, cost: CostModel, ring_comm: str = "p2p",
+) -> Candidate:
+    """The :class:`Candidate` of ``R x U`` with K/V transport ``ring_comm`` for ``shape`` (Note
+    [Planner prediction]); trusted inputs (``seqpar.planner.plan`` validates them)."""
     R, U = ring_size, ulysses_size
     N = R * U
     S, H, Hkv, D, B, e = (
@@ -237,6 +251,16 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
     fwd_total = bwd_total = 0.0
     kernel_total = elem_total = exposed_total = 0.0
     grad_prev = [0.0] * N  # backward: the previous step's gradient transfer, per rank
+    allgather = ring_comm == "allgather" and R > 1
+    width = gather_plan(plans, 0).width if allgather else 0
+    x_gather = [0.0] * N  # all-gather: one collective of R - 1 parts of `width` rows (ring algorithm)
+    for c in range(N) if allgather else ():
+        r, u = divmod(c, U)
+        inter = any((j * U + u) // ranks_per_node != c // ranks_per_node for j in range(R))
+        if h[u] and width:
+            link = cost.ring_inter if inter else cost.ring_intra
+            x_gather[c] = link.seconds((R - 1) * kv_bytes(width, kvh[u], D, B, e), R - 1)
+            ring_inter = ring_inter or inter
     for i in range(R):
         comp_f, comp_b, kern_f, kern_b, elem_f, elem_b = ([0.0] * N for _ in range(6))
         x_next = [0.0] * N  # K/V of step i + 1 in flight during step i
@@ -263,7 +287,7 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
                 elem_b[c] = grads / cost.memory_bandwidth
                 comp_f[c] = kern_f[c] + elem_f[c]
                 comp_b[c] = kern_b[c] + elem_b[c]
-                if i + 1 < R:
+                if i + 1 < R and not allgather:
                     nxt = rings[r].steps[i + 1]
                     step = plans[r].steps[i + 1]
                     out_link, out_inter = _link(cost.ring_intra, cost.ring_inter, c, step.dst * U + u, ranks_per_node)
@@ -271,7 +295,7 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
                     send, recv = kv_bytes(nxt.send_rows, kvh[u], D, B, e), kv_bytes(nxt.recv_rows, kvh[u], D, B, e)
                     x_next[c] = max(out_link.seconds(send, 2), in_link.seconds(recv, 2))
                     ring_inter = ring_inter or (send and out_inter) or (recv and in_inter)
-                if i > 0:
+                if i > 0 and not allgather:
                     step = plans[r].steps[i]
                     back_link, _ = _link(cost.ring_intra, cost.ring_inter, c, step.src * U + u, ranks_per_node)
                     home_link, _ = _link(cost.ring_intra, cost.ring_inter, c, step.dst * U + u, ranks_per_node)
@@ -284,6 +308,9 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
         x_f = max(x_next)
         x_b = max(a + b for a, b in zip(x_next, grad_prev))
         fixed = cost.ring_step_s if R > 1 else 0.0  # a lone local step waits for no peer
+        if allgather:  # the gather overlaps step 0 only; later steps wait for nothing
+            x_f = x_b = max(x_gather) if i == 0 else 0.0
+            fixed = cost.ring_step_s if i == 0 else 0.0
         step_f = _overlapped(c_f, x_f, cost.overlap) + fixed
         step_b = _overlapped(c_b, x_b, cost.overlap) + fixed
         fwd_total += step_f
@@ -291,6 +318,8 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
         exposed_total += step_f - c_f + step_b - c_b
         grad_prev = x_grad
     last = max(grad_prev)  # the last step's gradients travel with nothing left to hide them
+    if allgather:  # the reduce-scatter of dK/dV (the gather's bytes) hides behind nothing
+        last = max(x_gather) + cost.ring_step_s
     bwd_total += last
     exposed_total += last
 
@@ -299,6 +328,8 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
     # Ring bytes sent per cp rank: K/V forward, again backward, and dK/dV back (Note [Plan cost]).
     ring_bytes = [rank_cost(rings[r], heads[u], head_dim=D, batch=B, element_size=e).ring_bytes
                   for r in range(R) for u in range(U)]
+    if allgather:  # forward gather, backward gather and reduce-scatter: R - 1 parts each
+        ring_bytes = [3 * (R - 1) * kv_bytes(width, kvh[u], D, B, e) if h[u] else 0 for r in range(R) for u in range(U)]
     return Candidate(
         ring_size=R,
         ulysses_size=U,
@@ -311,23 +342,28 @@ def predict(shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int
         },
         ulysses_bytes=max(a2a_bytes),
         ring_bytes=max(ring_bytes),
-        memory_bytes=_memory(shape, placement, plans, heads, acc),
+        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None),
         imbalance=imbalance(work),
         heads=tuple(h),
         kv_heads=tuple(a.kv_len for a in heads),
         kv_replication=sum(a.kv_len for a in heads) / Hkv,
         ulysses_link="none" if U == 1 else ("inter" if a2a_inter else "intra"),
         ring_link="none" if R == 1 else ("inter" if ring_inter else "intra"),
+        ring_comm="allgather" if allgather else "p2p",
     )
 
 
-def _memory(shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], heads: list[HeadAssignment], acc: int) -> int:
+def _memory(
+    shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], heads: list[HeadAssignment], acc: int,
+    gather_width: int | None = None,
+) -> int:
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
     Two moments compete: the ring backward (shards of q, k, v, out, dout; the all-to-all's
     head-sharded copies and staging; fp32 accumulators; ring buffers; one kernel's gradients) and
     the way back (the accumulators gone, the head-sharded gradients and their staging, and the
-    shard gradients dq, dk, dv).
+    shard gradients dq, dk, dv). ``gather_width``: the all-gather transport's slot rows (Note
+    [All-gather K/V]), whose buffers replace the ring's two-step slots.
     """
     R, U = placement.ring_size, placement.ulysses_size
     H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
@@ -354,7 +390,13 @@ def _memory(shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], hea
             if h:
                 ring = L * (h + 2 * kv) * unit * acc  # fp32 accumulators of dq, dk, dv
                 ring += (block_q * h + 2 * block_k * kv) * unit * e  # one kernel's dq, dk, dv
-                if R > 1:
+                if R > 1 and gather_width is not None:
+                    rows = (R + 1) * gather_width  # R slots and the own part
+                    ring += 2 * rows * kv * unit * e  # gathered K/V
+                    ring += 2 * rows * kv * unit * e  # dK/dV slots and the summed own slot
+                    ring += 2 * max_recv * kv * unit * e  # a step's rows copied out of its slot
+                    ring += 2 * max_recv * kv * unit * acc  # dK/dV summed in fp32
+                elif R > 1:
                     slots = min(2, R - 1)  # ping-pong buffers, one when there is one remote step
                     ring += slots * 2 * max_recv * kv * unit * e  # K/V receive slots
                     ring += 2 * max_send * kv * unit * e  # staged K/V rows sent
