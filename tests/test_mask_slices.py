@@ -192,9 +192,10 @@ def _case(state: ParallelState, c: dict) -> tuple[str, float, float]:
 def _rank(cases):
     states, out = {}, []
     for c in cases:
-        if c["RU"] not in states:
-            states[c["RU"]] = ParallelState(*c["RU"])
-        out.append(_case(states[c["RU"]], c))
+        key = (c["RU"], c.get("ring_comm", "p2p"))
+        if key not in states:
+            states[key] = ParallelState(*c["RU"], ring_comm=key[1])
+        out.append(_case(states[key], c))
     return out
 
 
@@ -246,9 +247,32 @@ def test_masks_and_alibi_match_reference(pools, world):
     _check(pools(world).run(_rank, cases), len(cases))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_masks_and_alibi_under_allgather(pools, world):
+    """Every mask, ALiBi and MLA case again with the ring group all-gathering K/V."""
+    cases = [dict(c, ring_comm="allgather", name=f"allgather {c['name']}") for c in _cases(world) if c["RU"][0] > 1]
+    _check(pools(world).run(_rank, cases), len(cases))
+
+
+def _rank_disagree(rank_comm):
+    state = ParallelState(2, 1, ring_comm=rank_comm[dist.get_rank()])
+    q = seqpar.shard(torch.randn(1, 11, 2, 4, generator=torch.Generator().manual_seed(0)), state, dim=1)
+    try:
+        seqpar.attention(q, q, q, state, causal=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_ring_comm_raise_on_every_rank(pools):
+    for msg in pools(2).run(_rank_disagree, ["p2p", "allgather"]):
+        assert "ring_comm allgather" in msg and "disagree" in msg, msg
+
+
 @pytest.mark.slow
 def test_masks_and_alibi_on_eight_ranks(pools):
     cases = _cases(8)
+    cases += [dict(c, ring_comm="allgather", name=f"allgather {c['name']}") for c in cases if c["RU"][0] > 1]
     _check(pools(8).run(_rank, cases), len(cases))
 
 
