@@ -100,6 +100,21 @@ class UlyssesSetup:
         )
         return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
 
+    def to_heads_each(self, xs: list[Tensor], kinds: str) -> list[Tensor]:
+        """:meth:`to_heads` one tensor at a time (Note [Ulysses memory]): each result is a
+        contiguous tensor of its own (for ``B == 1``; else a strided one), and only one tensor's
+        staging copy is alive at a time. ``xs`` is emptied as it is staged."""
+        outs = []
+        for kind in kinds:
+            x = xs.pop(0)
+            d = x.shape[-1]
+            outs.append(fused_all_to_all(
+                [x.flatten(2)], self.group, 2, 1, _flat_ranges([self.head_ranges(kind)], [d]), self.token_sizes,
+                workspace=self.workspace, out_role=f"ulysses.{len(outs)}",
+            )[0].unflatten(2, (-1, d)))
+            del x
+        return outs
+
     def to_tokens(self, xs: list[Tensor], num_heads: int) -> Tensor:
         """All tokens of this rank's heads -> the token shard with all heads (a fresh tensor).
 
@@ -119,14 +134,14 @@ class UlyssesSetup:
             # The head-sharded inputs are dead by now: their buffer receives the gradients.
             return fused_all_to_all_backward(
                 grads, shapes, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace,
-                release_inputs=True, recv_role="ulysses.heads",
+                release_inputs=True, recv_role="ulysses.0",
             )
         flat = _flat_heads(grads)
         grads.clear()
         flat_shapes = [torch.Size((*shape[:2], shape[2] * shape[3])) for shape in shapes]
         outs = fused_all_to_all_backward(
             flat, flat_shapes, self.group, 2, 1, _flat_ranges(ranges, dims), self.token_sizes,
-            workspace=self.workspace, release_inputs=True, recv_role="ulysses.heads",
+            workspace=self.workspace, release_inputs=True, recv_role="ulysses.0",
         )
         return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
 
@@ -314,7 +329,7 @@ def ulysses_ring_backward(
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``."""
     mine = spec.mine
-    q_u, k_u, v_u, out_u, dout_u = spec.to_heads([q, k, v, out, dout], "qkkqq", "ulysses.heads")
+    q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")
     dsinks = dek = dev = None
     if mine.q_len:
         s = None if sinks is None else mine.q_heads(sinks, 0)
