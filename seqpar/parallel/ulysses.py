@@ -259,9 +259,13 @@ def ulysses_attention(
 # output of every layer for its backward: 2.5 extra copies of a layer's activations (H == Hkv)
 # kept alive until that layer's backward. Here only the token shard's q, k, v (the inputs, alive
 # anyway), its output and the ring's LSE are saved; the backward repeats the all-to-all of q, k, v
-# together with out and dout (one fused collective) into workspace buffers, runs the ring's
-# backward and sends the gradients back. Backward traffic grows from (dout + grads) to (q, k, v,
-# out, dout + grads); saved activations shrink to what a single device keeps.
+# with out and dout, runs the ring's backward and sends the gradients back. Backward traffic grows
+# from (dout + grads) to (q, k, v, out, dout + grads); saved activations shrink to what a single
+# device keeps. The backward exchanges the five tensors one at a time (UlyssesSetup.to_heads_each):
+# one staging copy alive instead of five, and each result a contiguous tensor of its own rather than
+# a strided view of one fused buffer (the kernels read them faster). Its peak is then the kernel's
+# working set: the head-sharded q, k, v, out, dout and their gradients (bench_memory.py,
+# docs/performance.md).
 
 
 def _unexpand(heads: HeadAssignment, grad: Tensor) -> Tensor:
