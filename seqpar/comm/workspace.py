@@ -10,9 +10,10 @@ views one).
 By default (``keep=False``) a :class:`Workspace` keeps nothing: :meth:`Workspace.get` returns a
 fresh tensor, which is freed as soon as its last user drops it, so a call holds each buffer only
 while it is live and nothing stays allocated between calls (memory the model's other layers, the
-loss and the optimizer can use). Measured on CPU (``scripts/bench_memory.py``,
-``docs/performance.md``) this is the smaller footprint at no measurable cost in time: glibc and
-CUDA's caching allocator both reuse freed blocks without returning them to the system.
+loss and the optimizer can use). It is the smaller footprint (``scripts/bench_memory.py``,
+``docs/performance.md``); glibc and CUDA's caching allocator both reuse freed blocks of these
+sizes. Whether the kept arena below wins time was not resolvable on the shared CPU machine the
+figures come from; on CUDA it is still to be measured.
 
 With ``keep=True`` the buffers come from one arena per device, kept for later calls: inside a
 :meth:`Workspace.scope` (``seqpar.parallel.hybrid`` opens one around each forward and each
