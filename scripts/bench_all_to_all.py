@@ -10,6 +10,8 @@ For each case, every rank holds a shard and runs one ``all_to_all``; we report
 * ``time ratio``: median time of ``seqpar.comm.all_to_all`` over the median time of a bare
   ``torch.distributed.all_to_all_single`` moving the same bytes between preallocated contiguous
   buffers (no layout work, no allocation) -- the cost of the layout handling;
+* ``ws ratio``: the same with the staging copy taken from a kept arena
+  (``Workspace(keep=True)``, Note [Workspace]); ``ws alloc/input`` its bytes created per call;
 * ``fresh ratio``: the same against a bare call that allocates its two buffers (a contiguous
   copy of the input and the output) on every call, as ``all_to_all`` must. On CPU large blocks
   go back to the OS when freed, so fresh buffers cost page faults on first touch; CUDA's caching
@@ -73,11 +75,16 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
         y = all_to_all(x, None, sd, gd, gather_size=shape[gd])
     out_bytes = y.nbytes
     del y
-    # With a workspace (what seqpar.attention does): the staging copy reuses one buffer.
-    ws = Workspace()
-    all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
+    # With a kept arena (Workspace(keep=True), inside its scope): the staging copy reuses storage.
+    ws = Workspace(keep=True)
+
+    def kept() -> torch.Tensor:
+        with ws.scope():
+            return all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
+
+    kept()
     with StorageTracker() as mem_ws:
-        y = all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws)
+        y = kept()
     del y
     # Bare collective: same total bytes, equal splits, preallocated contiguous buffers.
     numel = torch.tensor([x.numel()], device=device)
@@ -92,7 +99,7 @@ def _run_case(case: dict, iters: int, device: torch.device, dtype: torch.dtype) 
 
     variants = {
         "seqpar": lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd]),
-        "workspace": lambda: all_to_all(x, None, sd, gd, gather_size=shape[gd], workspace=ws),
+        "workspace": kept,
         "bare": lambda: dist.all_to_all_single(dst, src, group=None),
         "fresh": bare_fresh,
     }

@@ -181,9 +181,10 @@ class ParallelState:
         cp_size, cp_rank, cp_group, dp_size, dp_rank, dp_group. Groups are ``None`` only in a
         process with no process group (then every size is 1 and every rank 0).
         ring_comm: ``"p2p"`` or ``"allgather"``, as given.
-        workspace: scratch buffers that attention calls on this state reuse (staging copies,
-            ring transfer buffers; Note [Workspace] in ``seqpar.comm.workspace``);
-            ``state.workspace.clear()`` frees them.
+        workspace: where attention calls on this state take their transfer and staging buffers
+            (Note [Workspace] in ``seqpar.comm.workspace``): by default fresh per call, nothing
+            kept between calls; ``state.workspace = seqpar.comm.Workspace(keep=True)`` keeps one
+            arena instead (``state.workspace.nbytes``; ``clear()`` frees it).
         handle: a short string naming this state to seqpar's custom operators (``torch.compile``,
             ``docs/compile.md``); unique in the process. A string, so that the compiler keeps it a
             constant (an int attribute becomes a symbolic int under ``dynamic=True``).

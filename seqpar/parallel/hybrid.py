@@ -27,6 +27,7 @@ tensors is a *setup* (:class:`~seqpar.parallel.ring.RingSetup`,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,29 @@ def _with_replicated(rows: Tensor, body: Tensor, prefix: int) -> Tensor:
 
 
 def hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, ...]:
+    """One call's forward (see :func:`_hybrid_forward`), its transfer buffers in one workspace
+    scope (Note [Workspace])."""
+    with _scope(setup):
+        return _hybrid_forward(setup, q, k, v, sinks)
+
+
+def hybrid_backward(
+    setup: HybridSetup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, out: Tensor,
+    lse_body: Tensor, lse_replicated: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One call's backward (see :func:`_hybrid_backward`), its transfer buffers in one workspace
+    scope (Note [Workspace])."""
+    with _scope(setup):
+        return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated)
+
+
+def _scope(setup: HybridSetup):
+    """The workspace scope of one forward or backward (a no-op without a workspace)."""
+    workspace = setup.ring.workspace
+    return workspace.scope() if workspace is not None else contextlib.nullcontext()
+
+
+def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, ...]:
     """One call's forward (Note [Hybrid composition]); no autograd.
 
     Args:
@@ -110,7 +134,7 @@ def hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: T
     return _with_replicated(out_r, out_body.to(out_r.dtype), p), lse_body, lse_r
 
 
-def hybrid_backward(
+def _hybrid_backward(
     setup: HybridSetup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, out: Tensor,
     lse_body: Tensor, lse_replicated: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:

@@ -29,9 +29,11 @@ runs no kernel. Results are merged by LSE in fp32 (``seqpar.parallel.merge``); s
 (Note [Attention sinks]). Extra local K/V (replicated text tokens of joint attention) are attended
 by every query row at step 0 and never travel.
 
-Memory (Note [Workspace]): the K/V of two steps (the one computed, the one arriving), one
-staging copy of the rows sent when they are not one contiguous view, two send slots and one
-receive slot for gradients live in the workspace; accumulators start as the first kernel result
+Memory (buffers from the workspace, Note [Workspace]: fresh per call by default, freed once
+dead): the K/V of two steps (the one computed, the one arriving), one staging copy of the rows
+sent when they are not one contiguous view, two send slots and one receive slot for gradients
+(with H == Hkv about 10 shards of K/V next to the output and the three gradients at the
+backward's peak: the price of overlapping every transfer); accumulators start as the first kernel result
 that covers every row (no zero fill), kernel results are dropped as soon as they are added, and
 large unmasked blocks run their backward in two halves of the keys (smaller kernel results).
 Only q, k, v, out and the LSE of the shard are saved for backward.

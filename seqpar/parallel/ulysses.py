@@ -103,6 +103,21 @@ class UlyssesSetup:
         )
         return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
 
+    def to_heads_each(self, xs: list[Tensor], kinds: str) -> list[Tensor]:
+        """:meth:`to_heads` one tensor at a time (Note [Ulysses memory]): each result is a
+        contiguous tensor of its own (for ``B == 1``; else a strided one), and only one tensor's
+        staging copy is alive at a time. ``xs`` is emptied as it is staged."""
+        outs = []
+        for kind in kinds:
+            x = xs.pop(0)
+            d = x.shape[-1]
+            outs.append(fused_all_to_all(
+                [x.flatten(2)], self.group, 2, 1, _flat_ranges([self.head_ranges(kind)], [d]), self.token_sizes,
+                workspace=self.workspace, out_role=f"ulysses.{len(outs)}",
+            )[0].unflatten(2, (-1, d)))
+            del x
+        return outs
+
     def to_tokens(self, xs: list[Tensor], num_heads: int) -> Tensor:
         """All tokens of this rank's heads -> the token shard with all heads (a fresh tensor).
 
@@ -122,14 +137,14 @@ class UlyssesSetup:
             # The head-sharded inputs are dead by now: their buffer receives the gradients.
             return fused_all_to_all_backward(
                 grads, shapes, self.group, 2, 1, ranges, self.token_sizes, workspace=self.workspace,
-                release_inputs=True, recv_role="ulysses.heads",
+                release_inputs=True, recv_role="ulysses.0",
             )
         flat = _flat_heads(grads)
         grads.clear()
         flat_shapes = [torch.Size((*shape[:2], shape[2] * shape[3])) for shape in shapes]
         outs = fused_all_to_all_backward(
             flat, flat_shapes, self.group, 2, 1, _flat_ranges(ranges, dims), self.token_sizes,
-            workspace=self.workspace, release_inputs=True, recv_role="ulysses.heads",
+            workspace=self.workspace, release_inputs=True, recv_role="ulysses.0",
         )
         return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
 
@@ -247,9 +262,13 @@ def ulysses_attention(
 # output of every layer for its backward: 2.5 extra copies of a layer's activations (H == Hkv)
 # kept alive until that layer's backward. Here only the token shard's q, k, v (the inputs, alive
 # anyway), its output and the ring's LSE are saved; the backward repeats the all-to-all of q, k, v
-# together with out and dout (one fused collective) into workspace buffers, runs the ring's
-# backward and sends the gradients back. Backward traffic grows from (dout + grads) to (q, k, v,
-# out, dout + grads); saved activations shrink to what a single device keeps.
+# with out and dout, runs the ring's backward and sends the gradients back. Backward traffic grows
+# from (dout + grads) to (q, k, v, out, dout + grads); saved activations shrink to what a single
+# device keeps. The backward exchanges the five tensors one at a time (UlyssesSetup.to_heads_each):
+# one staging copy alive instead of five, and each result a contiguous tensor of its own rather than
+# a strided view of one fused buffer (the kernels read them faster). Its peak is then the kernel's
+# working set: the head-sharded q, k, v, out, dout and their gradients (bench_memory.py,
+# docs/performance.md).
 
 
 def _unexpand(heads: HeadAssignment, grad: Tensor) -> Tensor:
@@ -325,7 +344,7 @@ def ulysses_ring_backward(
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``."""
     mine = spec.mine
-    q_u, k_u, v_u, out_u, dout_u = spec.to_heads([q, k, v, out, dout], "qkkqq", "ulysses.heads")
+    q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")
     dsinks = dek = dev = None
     if mine.q_len:
         run = _my_slopes(run, mine)

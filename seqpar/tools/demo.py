@@ -7,9 +7,9 @@ The tolerance follows flash-attn's rule: at most twice the error of the same com
 device in the same dtype (with a small floor per dtype).
 
 It also reports, per rank, the median forward and backward time over ``--iters`` calls after a
-warm-up call, and the tensor memory of one call (storage created inside it, and the reused
-workspace), each next to one device running the whole sequence with the same kernel in the same
-process setup. CPU ranks that share cores time-share them: read the times as a comparison of
+warm-up call, and the tensor memory of one call, everything counted: the storage created inside
+it plus the buffers the state keeps between calls (``state.workspace``; none by default), each
+next to one device running the whole sequence with the same kernel in the same process setup. CPU ranks that share cores time-share them: read the times as a comparison of
 configurations, not as a speedup (the report says when that is the case).
 """
 
@@ -285,8 +285,8 @@ def _memory_notes(cfg: _Config, workspace_mib: float) -> list[str]:
         f"x ideal: this rank's memory x {cp} / one device's memory for the whole sequence; 1.00 would be an "
         f"exact 1/{cp} share. Above 1 because a rank also holds communication buffers the single device does "
         "not need: Ulysses' all-to-all inputs and outputs (its ring-local tokens for its heads), the ring's K/V "
-        f"block in flight next to the current one, and dK/dV travelling back (the reused workspace, "
-        f"{workspace_mib:.1f} MiB per rank, is not counted)."
+        f"block in flight next to the current one, and dK/dV travelling back (counted; of them "
+        f"{workspace_mib:.1f} MiB per rank stay allocated between calls)."
     ]
     uneven_kv = cfg.ulysses > 1 and cfg.kv_heads % cfg.ulysses != 0
     if len(set(heads)) > 1 or uneven_kv:
@@ -362,8 +362,11 @@ def run(args: argparse.Namespace) -> int:
             key: r[key] for key in ("rank", "dp", "ring", "ulysses", "tokens", "fwd_ms", "bwd_ms", "peak_bytes",
                                     "workspace_bytes")
         } | {
-            # Memory against a perfect 1/cp share of the single device's (1.0 = ideal).
-            "memory_vs_ideal": r["peak_bytes"] * cp / max(1, single["peak_bytes"]),
+            # Everything counted (the call's peak plus the bytes the state keeps) against a perfect
+            # 1/cp share of the single device's (1.0 = ideal).
+            "total_bytes": r["peak_bytes"] + r["workspace_bytes"],
+            "memory_vs_ideal": (r["peak_bytes"] + r["workspace_bytes"]) * cp
+            / max(1, single["peak_bytes"] + single["workspace_bytes"]),
             "out_err": e_out, "grad_err": e_grad,
         })
     ok = worst_out <= tol_out and worst_grad <= tol_grad
@@ -395,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(
             f"{r['rank']:>4} {r['dp']:>3} {r['ring']:>4} {r['ulysses']:>4} {r['tokens']:>7} "
-            f"{r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['peak_bytes'] / 2**20:>7.1f} "
+            f"{r['fwd_ms']:>8.1f} {r['bwd_ms']:>8.1f} {r['total_bytes'] / 2**20:>7.1f} "
             f"{r['memory_vs_ideal']:>7.2f} {r['out_err']:>10.2e} {r['grad_err']:>10.2e}"
         )
     print(
@@ -404,8 +407,9 @@ def run(args: argparse.Namespace) -> int:
         f"{report['fwd_vs_single']:.2f}, bwd {report['bwd_vs_single']:.2f}"
     )
     print(
-        f"times: median of {cfg.iters} calls after a warm-up; MiB: tensor storage created in one call "
-        f"({'CUDA allocator peak' if cfg.device == 'cuda' else 'counted per storage'})"
+        f"times: median of {cfg.iters} calls after a warm-up; MiB: everything a rank holds for one call, the "
+        f"storage created in it ({'CUDA allocator peak' if cfg.device == 'cuda' else 'counted per storage'}) plus "
+        "the buffers its state keeps between calls"
     )
     for note in _memory_notes(cfg, max(r["workspace_bytes"] for r in rows) / 2**20):
         print(textwrap.fill(note, 100, subsequent_indent="  "))
