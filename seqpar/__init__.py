@@ -3,6 +3,7 @@
 from . import comm, placement, rng, training
 from .attention import SequenceParallelAttention, attention, varlen_attention
 from .planner import plan  # seqpar.plan(cp_size, ...): the degree planner (seqpar.planner)
+from .planner import longest_context  # seqpar.longest_context(ModelShape, ...): seqpar.planner.memory
 from .sdpa import local_sdpa, parallel_sdpa
 from .sharding import shard, shard_packed, shard_packed_positions, shard_positions, unshard, unshard_packed
 from .state import ParallelState
@@ -27,4 +28,5 @@ __all__ = [
     "training",
     "rng",
     "plan",
+    "longest_context",
 ]
