@@ -4,6 +4,7 @@ from . import comm, placement, rng, training
 from .attention import SequenceParallelAttention, attention, varlen_attention
 from .placement.masks import MaskSlices
 from .planner import plan  # seqpar.plan(cp_size, ...): the degree planner (seqpar.planner)
+from .planner import longest_context  # seqpar.longest_context(ModelShape, ...): seqpar.planner.memory
 from .sdpa import local_sdpa, parallel_sdpa
 from .sharding import shard, shard_packed, shard_packed_positions, shard_positions, unshard, unshard_packed
 from .state import ParallelState
@@ -29,4 +30,5 @@ __all__ = [
     "rng",
     "plan",
     "MaskSlices",
+    "longest_context",
 ]

@@ -12,6 +12,8 @@
 - :mod:`.predict`: one factorisation's bytes, memory, balance and time from the exact placement
   and ring plan (Note [Planner prediction]);
 - :mod:`.choose`: :func:`plan` and :class:`DegreePlan`;
+- :mod:`.memory`: :func:`longest_context` and :class:`ModelShape`, the whole model's memory per
+  rank and the longest context that fits (Note [Memory model]);
 - :func:`calibrate`: the measurements (Note [Planner calibration] in
   ``seqpar.tools.calibration``, imported when called: it times kernels and transfers).
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .choose import TIE_RTOL, DegreePlan, plan
 from .cost import PRESETS, CostModel, KernelRates, Link
+from .memory import CPU_CALIBRATION, Calibration, MemoryPrediction, ModelShape, longest_context
 from .predict import Candidate, Shape, predict
 
 if TYPE_CHECKING:
@@ -41,6 +44,11 @@ __all__ = [
     "PRESETS",
     "TIE_RTOL",
     "calibrate",
+    "longest_context",
+    "ModelShape",
+    "MemoryPrediction",
+    "Calibration",
+    "CPU_CALIBRATION",
 ]
 
 

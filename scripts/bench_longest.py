@@ -1,0 +1,196 @@
+"""Calibrate and validate the memory model of seqpar.planner.memory (the longest context that fits).
+
+Runs ONE rank of a ring x Ulysses job (torch's fake process group: the rank's own kernels, copies
+and buffers, communication free) of a Llama-8B-shaped decoder stack -- hidden 4096, 32 heads, 8
+K/V heads of 128, FFN 14336, vocabulary 128256, bf16, --layers layers -- with activation
+checkpointing, the tiled loss (linear_cross_entropy) and the tiled MLP (TiledTokenwise), one
+forward+backward per length (Note [Longest-context measurement] in seqpar/tools/longest.py):
+
+1. measures the peak bytes at each of --lengths tokens per rank and fits peak = a + b * T;
+2. calibrates the model from the fit (seqpar.planner.memory.calibrate_from_fit: the layer factor
+   from the slope, the overhead from the intercept);
+3. validates it: the predicted longest T for --budget-gib runs with a peak within the budget, and
+   T * 1.1 does not (its measured peak exceeds the budget).
+
+On the CPU the peak is the peak of tensor storage (StorageTracker) plus the bytes alive before the
+step; on CUDA the allocator's high-water mark. The embedding and lm-head are frozen by default
+(--train-embeddings to train them), and there is no optimizer step: their gradient and optimizer
+bytes are static ones the model counts from the parameter count, and leaving them out keeps the
+run inside a budget this shared machine can afford. The JSON report is the last line.
+
+    python scripts/bench_longest.py                                  # 2 x 2, 1 layer, budget 3.5 GiB
+    python scripts/bench_longest.py --ring 1 --ulysses 4 --json longest.json
+    python scripts/bench_longest.py --device cuda --budget-gib 40 --lengths 8192,16384,32768
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from seqpar.planner.memory import CPU_CALIBRATION, ModelShape, calibrate_from_fit, longest_context
+from seqpar.tools.longest import StackConfig, measure_peak
+from seqpar.tools.one_rank import fake_world
+from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
+
+GiB = 2**30
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if len(values) < 2 or min(values) < 1 or len(set(values)) < 2:
+        raise ValueError(f"--lengths needs at least two different positive token counts, got {text!r}")
+    return sorted(set(values))
+
+
+def _fit(points: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """Least squares ``peak = a + b * T``: ``(b, a, largest |residual| in bytes)``."""
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(p for _, p in points) / n
+    b = sum((t - mx) * (p - my) for t, p in points) / sum((t - mx) ** 2 for t, _ in points)
+    a = my - b * mx
+    return b, a, max(abs(p - (a + b * t)) for t, p in points)
+
+
+def main() -> None:
+    parser = script_parser(__doc__)
+    parser.add_argument("--ring", type=int, default=2, help="ring size R")
+    parser.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
+    parser.add_argument("--cp-rank", type=int, default=0, help="the rank to run")
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=4096, help="model width")
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="K/V heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim")
+    parser.add_argument("--ffn", type=int, default=14336, help="MLP intermediate width")
+    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device")
+    parser.add_argument("--mlp-chunks", type=int, default=8, help="TiledTokenwise chunks of the MLP")
+    parser.add_argument("--loss-chunk", type=int, default=None,
+                        help="tokens per chunk of the tiled loss (default: the library's, 2**24 // vocab)")
+    parser.add_argument("--train-embeddings", action="store_true",
+                        help="train the embedding and lm-head (default: frozen)")
+    parser.add_argument("--offload", action="store_true",
+                        help="checkpointed layer inputs in pinned host memory (CUDA only; default: off)")
+    parser.add_argument("--lengths", default="256,512,1024,1536", help="tokens per rank of the fit, comma-separated")
+    parser.add_argument("--budget-gib", type=float, default=3.5, help="the validation's memory budget per rank, GiB")
+    parser.add_argument("--no-validate", action="store_true", help="fit only (default: validate too)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    add_output_arguments(parser, "the measured and predicted peak of every run, GiB")
+    args = parser.parse_args()
+    try:
+        lengths = _ints(args.lengths)
+        config = StackConfig(ring=args.ring, ulysses=args.ulysses, cp_rank=args.cp_rank, layers=args.layers,
+                             hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                             ffn=args.ffn, vocab=args.vocab, dtype=args.dtype, device=args.device,
+                             mlp_chunks=args.mlp_chunks, loss_chunk=args.loss_chunk, train_embeddings=args.train_embeddings,
+                             offload=args.offload)
+        if args.budget_gib <= 0:
+            raise ValueError(f"--budget-gib must be positive, got {args.budget_gib}")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    torch.set_num_threads(args.threads)
+    shape = ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                       head_dim=args.head_dim, ffn=args.ffn, vocab=args.vocab, dtype=getattr(torch, args.dtype))
+    # The model's options for this run: one rank, no optimizer, nothing sharded (ZeRO 0).
+    options = dict(ring=args.ring, ulysses=args.ulysses, dp=1, checkpointing=True, offload=args.offload,
+                   tiled_loss=True, loss_chunk_tokens=args.loss_chunk, tiled_mlp_chunks=args.mlp_chunks, zero_stage=0, optimizer_bytes_per_param=0,
+                   train_embeddings=args.train_embeddings)
+    budget = int(args.budget_gib * GiB)
+    start = time.perf_counter()
+    runs: list[dict] = []
+
+    def run(tokens: int, purpose: str) -> dict:
+        progress("bench_longest", f"{purpose}: {tokens} tokens per rank ({config.ring} x {config.ulysses})")
+        r = measure_peak(config, tokens)
+        r["purpose"] = purpose
+        runs.append(r)
+        return r
+
+    with fake_world(config.ring * config.ulysses, config.cp_rank, torch.device(args.device)):
+        points = [(r["local_tokens"], r["peak_bytes"]) for r in (run(t, "fit") for t in lengths)]
+        slope, intercept, residual = _fit(points)
+        cal = calibrate_from_fit(slope, intercept, shape, source=(
+            f"scripts/bench_longest.py --ring {args.ring} --ulysses {args.ulysses} --layers {args.layers} "
+            f"--lengths {args.lengths} ({args.device}, {args.dtype})"), **options)
+        fresh = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=cal, **options)
+        try:
+            shipped = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=CPU_CALIBRATION,
+                                      **options).longest_local_tokens
+        except ValueError:
+            shipped = 0  # the shipped calibration leaves nothing of the budget
+        validation = None
+        if not args.no_validate:
+            t_max = fresh.longest_local_tokens
+            t_over = math.ceil(1.1 * t_max)
+            at, over = run(t_max, "validate: predicted longest"), run(t_over, "validate: +10%")
+            validation = {
+                "budget_bytes": budget, "predicted_local_tokens": t_max, "over_local_tokens": t_over,
+                "peak_at_predicted": at["peak_bytes"], "peak_at_over": over["peak_bytes"],
+                "predicted_peak_at_predicted": fresh.device_bytes_at(t_max),
+                "fits": at["peak_bytes"] <= budget, "over_exceeds": over["peak_bytes"] > budget,
+            }
+            validation["passed"] = validation["fits"] and validation["over_exceeds"]
+    seconds = time.perf_counter() - start
+
+    rows = [[r["purpose"], f"{r['local_tokens']:,}", f"{r['seq_len']:,}", f"{r['peak_bytes'] / GiB:.3f}",
+             f"{fresh.device_bytes_at(r['local_tokens']) / GiB:.3f}",
+             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}", f"{r['seconds']:.1f}"]
+            for r in runs]
+    text = (
+        f"One rank ({args.cp_rank}) of ring {args.ring} x Ulysses {args.ulysses}: Llama-shaped stack, {args.layers} "
+        f"layer(s), hidden {args.hidden}, H {args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, FFN {args.ffn}, "
+        f"V {args.vocab}, {args.dtype} on {args.device}, MLP chunks {args.mlp_chunks}, "
+        f"embeddings {'trained' if args.train_embeddings else 'frozen'}\n"
+        + table(["run", "T (per rank)", "S", "peak GiB", "model GiB", "measured / model", "seconds"], rows)
+        + f"\n\nfit: {slope:,.0f} bytes per token + {intercept / GiB:.3f} GiB (largest residual "
+        f"{residual / 2**20:.2f} MiB)\ncalibration: layer_factor {cal.layer_factor:.4f}, overhead "
+        f"{cal.overhead_bytes / 2**20:+.1f} MiB (shipped CPU_CALIBRATION: {CPU_CALIBRATION.layer_factor:.4f}, "
+        f"{CPU_CALIBRATION.overhead_bytes / 2**20:+.1f} MiB)\n\n" + fresh.table()
+    )
+    if validation is not None:
+        text += (
+            f"\n\nvalidation at {args.budget_gib} GiB: predicted longest {validation['predicted_local_tokens']:,} "
+            f"tokens per rank: measured peak {validation['peak_at_predicted'] / GiB:.3f} GiB "
+            f"({'fits' if validation['fits'] else 'DOES NOT FIT'}); +10% ({validation['over_local_tokens']:,}): "
+            f"{validation['peak_at_over'] / GiB:.3f} GiB ({'exceeds' if validation['over_exceeds'] else 'DOES NOT EXCEED'}"
+            f" the budget) -> {'PASSED' if validation['passed'] else 'FAILED'}"
+        )
+    report = {
+        "args": vars(args), "runs": runs, "fit": {"bytes_per_token": slope, "intercept_bytes": intercept,
+                                                  "largest_residual_bytes": residual},
+        "calibration": {"layer_factor": cal.layer_factor, "overhead_bytes": cal.overhead_bytes, "source": cal.source},
+        "shipped_calibration": {"layer_factor": CPU_CALIBRATION.layer_factor,
+                                "overhead_bytes": CPU_CALIBRATION.overhead_bytes,
+                                "longest_local_tokens": shipped},
+        "prediction": {"bytes_per_token_per_rank": fresh.bytes_per_token_per_rank,
+                       "fixed_bytes_per_rank": fresh.fixed_bytes_per_rank,
+                       "longest_local_tokens": fresh.longest_local_tokens, "longest_tokens": fresh.longest_tokens,
+                       **fresh.breakdown},
+        "validation": validation, "seconds": seconds,
+    }
+    notes = [
+        f"{seconds:.0f} s in all, {args.threads} thread(s)",
+        "peak: " + runs[0]["measured_by"] + ("; kernel scratch that never becomes a tensor is not seen"
+                                             if args.device == "cpu" else ""),
+        "frozen embedding and lm-head, no optimizer step: the model's options for this run are zero_stage=0, "
+        "optimizer_bytes_per_param=0, train_embeddings=False" if not args.train_embeddings else None,
+    ]
+    plot = chart(args.plot, "Peak bytes of one rank: measured and predicted (GiB)",
+                 [f"{r['purpose']}, T={r['local_tokens']}" for r in runs],
+                 {"measured": [r["peak_bytes"] / GiB for r in runs],
+                  "model": [fresh.device_bytes_at(r["local_tokens"]) / GiB for r in runs]},
+                 "GiB", reference_line=args.budget_gib)
+    emit(report, text, notes, args.json, plot=plot)
+    if validation is not None and not validation["passed"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""The longest context that fits: bytes per token per rank of a whole model, and the length.
+
+Note [Memory model]
+~~~~~~~~~~~~~~~~~~~
+What one rank of a long-context training step holds is a fixed part plus a part linear in its
+``T`` local tokens (``T = S / (R * U)`` for a sequence of ``S`` tokens over ring ``R`` x Ulysses
+``U``)::
+
+    device(T) = reserve + fixed + T * per_token        host(T) = T * host_per_token
+
+**Fixed** (bytes per rank; derived from the parameter count ``P`` unless said otherwise):
+
+- parameters, gradients, optimizer state: ``P * (element size)``, ``P * grad_bytes``,
+  ``P * optimizer_bytes_per_param`` (12: fp32 master weights and Adam's two moments), each divided
+  by the ``dp * R * U`` ranks that shard it under ZeRO stage 3, 2 and 1 respectively (FSDP over
+  the whole world, ``docs/howto-fsdp.md``); frozen embeddings take no gradient or optimizer state;
+- ZeRO-3's gathered copies: two layers' parameters (the running one and the prefetched one),
+  one layer's unsharded gradients, and the gathered lm-head weight during the loss;
+- the tiled loss (``seqpar.training.linear_cross_entropy``): one chunk's ``[chunk, V]`` fp32
+  logits, their fp32 gradient and a copy in the model's dtype; with trainable embeddings the
+  lm-head gradient, which that function accumulates in fp32 ``[V, hidden]`` and casts once;
+- ``overhead``: **measured** (``Calibration.overhead_bytes``): what the measured fixed bytes
+  exceed the derived ones by;
+- ``reserve``: **not measured here**, an input (CUDA context, NCCL buffers, allocator
+  fragmentation).
+
+**Per token** (bytes per local token; ``e`` the element size, ``hidden``, ``H``, ``Hkv``, ``D``,
+``F`` (FFN), ``V``, ``L`` layers):
+
+- checkpointed layer inputs: ``L * hidden * e``, **exact**; on the host with ``offload``
+  (``torch.autograd.graph.save_on_cpu`` around checkpointed layers, ``docs/long-context.md``);
+  without checkpointing every layer's saved activations instead (derived, not calibrated);
+- the loss's inputs: the last layer's output and the final norm's (``2 * hidden * e``), the
+  per-token log-sum-exp (4 bytes), labels and ids (8 bytes each), **exact**; untiled, the
+  ``[T, V]`` fp32 logits, their gradient and a copy in the model's dtype instead;
+- ONE layer's working set at the peak of its backward (recompute, then gradients), **derived
+  then scaled by the measured** ``Calibration.layer_factor``: six hidden-sized tensors (norm
+  outputs, the residual, incoming and outgoing gradients), the shard's q, k, v, out and their
+  gradients, the log-sum-exps; with ``U > 1`` the head-sharded copies of q, k, v, out, dout and
+  their staging (``U * ceil(H / U)`` query heads and ``U * kv`` K/V heads per local token, K/V
+  heads replicated where ``Hkv < U``), the fp32 dq, dk, dv accumulators; with ``R > 1`` the ring's
+  K/V and dK/dV slots (two of each) and the fp32 dK/dV sum; and the MLP's chunk (``7 * F * e /
+  chunks``: gate, up, the activation and the product, and one gradient at a time).
+
+``layer_factor`` is how much of that nominal working set is alive at once, measured by
+``scripts/bench_longest.py`` on one rank of a Llama-8B-shaped stack (Note
+[Longest-context measurement] in ``seqpar/tools/longest.py``): the slope of the measured peak over
+``T`` minus the exact per-token terms, over the derived working set. The longest context is the
+largest ``T`` with ``device(T) <= device_bytes`` (and ``host(T) <= host_bytes`` when given);
+``S = T * R * U``. ``docs/performance.md`` ("Longest context: the memory model") has the
+calibration, the validation run and the predictions for Llama-3-8B.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "MemoryPrediction", "longest_context", "calibrate_from_fit"]
+
+GiB = 2**30
+
+
+def _positive(where: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A decoder-only transformer's shape (Llama-style: RMSNorm, GQA attention, SwiGLU MLP).
+
+    Attributes:
+        layers: decoder layers ``L``.
+        hidden: model width.
+        heads, kv_heads, head_dim: ``H``, ``Hkv``, ``D`` (``H % Hkv == 0``).
+        ffn: the MLP's intermediate width ``F``.
+        vocab: vocabulary size ``V``.
+        dtype: parameters and activations (``torch.bfloat16`` for mixed-precision training).
+        tied_embeddings: whether the lm-head shares the input embedding.
+
+    Raises:
+        ValueError: a non-positive size, ``H`` not a multiple of ``Hkv``, a non-float dtype.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    dtype: torch.dtype = torch.bfloat16
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
+            _positive("ModelShape", name, getattr(self, name))
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"ModelShape: dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def llama3_8b(cls, **overrides) -> ModelShape:
+        """Llama-3-8B (and 3.1-8B): 32 layers, hidden 4096, 32 heads, 8 K/V heads of 128, FFN
+        14336, vocabulary 128256, untied, bf16; ``overrides`` replace fields."""
+        return cls(**{**dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
+                             vocab=128256), **overrides})
+
+    @property
+    def element_size(self) -> int:
+        """Bytes of one parameter or activation element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one layer: two norms, q/k/v/o projections, the SwiGLU MLP."""
+        H, Hkv, D, h = self.heads, self.kv_heads, self.head_dim, self.hidden
+        return 2 * h + h * H * D + 2 * h * Hkv * D + H * D * h + 3 * h * self.ffn
+
+    @property
+    def embedding_parameters(self) -> int:
+        """The input embedding and the lm-head (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def parameters(self) -> int:
+        """All parameters ``P``: layers, embeddings, the final norm (8.03e9 for Llama-3-8B)."""
+        return self.layers * self.layer_parameters + self.embedding_parameters + self.hidden
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured constants of Note [Memory model].
+
+    Attributes:
+        layer_factor: measured / derived bytes of one layer's working set per token.
+        overhead_bytes: measured fixed bytes minus derived fixed bytes (may be negative).
+        source: where and how they were measured.
+    """
+
+    layer_factor: float
+    overhead_bytes: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.layer_factor, int | float) and math.isfinite(self.layer_factor)
+                and self.layer_factor > 0):
+            raise ValueError(f"Calibration: layer_factor must be a positive finite number, got {self.layer_factor!r}")
+
+
+# Measured by scripts/bench_longest.py on this project's CPU machine (bf16, one layer of a
+# Llama-8B-shaped stack, MLP in 8 chunks; docs/performance.md, "Longest context: the memory model"):
+# the largest layer factor of the CP splits 2 x 2, 1 x 4, 4 x 1 (0.70, 0.76, 0.76) and the overhead
+# of the 2 x 2 fit.
+CPU_CALIBRATION = Calibration(
+    layer_factor=0.76,
+    overhead_bytes=-15_754_056,
+    source="scripts/bench_longest.py, CPU, bf16, 2 x 2 / 1 x 4 / 4 x 1, one Llama-8B-shaped layer",
+)
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """What :func:`longest_context` predicts for one rank (Note [Memory model]).
+
+    Attributes:
+        model: the shape.
+        ring, ulysses, dp: ``R``, ``U`` and the data-parallel replicas.
+        device_bytes, reserve_bytes, host_bytes: the inputs (``host_bytes`` ``None``: unbounded).
+        bytes_per_token_per_rank: device bytes per local token.
+        host_bytes_per_token_per_rank: host bytes per local token (offloaded checkpoints).
+        fixed_bytes_per_rank: device bytes independent of the length, ``reserve`` excluded.
+        longest_local_tokens: the largest ``T`` that fits (0 if none).
+        longest_tokens: the longest sequence ``S = T * R * U``.
+        limited_by: ``"device"`` or ``"host"`` memory.
+        per_token: the per-token terms (bytes per local token), by name.
+        fixed: the fixed terms (bytes per rank), by name.
+        options: the training options the prediction assumed.
+        calibration: the measured constants used.
+    """
+
+    model: ModelShape
+    ring: int
+    ulysses: int
+    dp: int
+    device_bytes: int
+    reserve_bytes: int
+    host_bytes: int | None
+    bytes_per_token_per_rank: float
+    host_bytes_per_token_per_rank: float
+    fixed_bytes_per_rank: float
+    longest_local_tokens: int
+    longest_tokens: int
+    limited_by: str
+    per_token: dict[str, float] = field(repr=False)
+    fixed: dict[str, float] = field(repr=False)
+    options: dict[str, object] = field(repr=False)
+    calibration: Calibration = field(repr=False)
+
+    @property
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """``{"per_token": ..., "fixed": ...}``: every term by name."""
+        return {"per_token": dict(self.per_token), "fixed": dict(self.fixed)}
+
+    def device_bytes_at(self, local_tokens: int) -> float:
+        """Predicted peak device bytes of the rank at ``local_tokens`` tokens, reserve included."""
+        return self.reserve_bytes + self.fixed_bytes_per_rank + local_tokens * self.bytes_per_token_per_rank
+
+    def table(self) -> str:
+        """The terms and the result as a readable table."""
+        lines = [f"{self.ring} x {self.ulysses} (dp {self.dp}), device {self.device_bytes / GiB:.1f} GiB:",
+                 f"  {'per token (bytes/local token)':<42}{'device':>12}"]
+        for name, b in self.per_token.items():
+            lines.append(f"  {name:<42}{b:>12,.0f}")
+        lines.append(f"  {'fixed (GiB per rank)':<42}")
+        for name, b in self.fixed.items():
+            lines.append(f"  {name:<42}{b / GiB:>12.3f}")
+        lines.append(f"  {'reserve (not measured; an input)':<42}{self.reserve_bytes / GiB:>12.3f}")
+        lines.append(f"  longest: {self.longest_local_tokens:,} tokens per rank, {self.longest_tokens:,} tokens "
+                     f"(limited by {self.limited_by} memory)")
+        return "\n".join(lines)
+
+
+def _ulysses_heads(model: ModelShape, ulysses: int) -> tuple[int, int]:
+    """The busiest Ulysses rank's query heads and kernel K/V heads (``head_assignments``)."""
+    from ..placement.heads import head_assignments
+
+    assignments = head_assignments(model.heads, model.kv_heads, ulysses)
+    return max(a.q_len for a in assignments), max(a.kernel_kv_heads for a in assignments)
+
+
+def _layer_saved(model: ModelShape, ulysses: int, mlp_chunks: int) -> float:
+    """Bytes per local token one layer's forward saves for backward (no checkpointing)."""
+    e, D, U = model.element_size, model.head_dim, ulysses
+    H, Hkv = model.heads, model.kv_heads
+    saved = e * (4 * model.hidden + (2 * H + 2 * Hkv) * D) + 4 * H
+    if U > 1:
+        h, kv = _ulysses_heads(model, U)
+        saved += e * U * (2 * h + 2 * kv) * D + 4 * U * h
+    if mlp_chunks == 1:
+        saved += 4 * model.ffn * e  # gate, up, activation, product
+    return saved
+
+
+def _layer_working_set(model: ModelShape, ring: int, ulysses: int, mlp_chunks: int) -> float:
+    """Derived bytes per local token of ONE layer's backward (Note [Memory model]), unscaled."""
+    e, D, R, U = model.element_size, model.head_dim, ring, ulysses
+    H, Hkv = model.heads, model.kv_heads
+    w = e * 6 * model.hidden  # norm outputs, residual, incoming / outgoing gradients
+    w += e * 2 * (2 * H + 2 * Hkv) * D  # q, k, v, out of the shard and their gradients
+    w += 4 * H  # log-sum-exps
+    h, kv = _ulysses_heads(model, U) if U > 1 else (H, Hkv)
+    if U > 1:
+        w += e * 2 * U * (3 * h + 2 * kv) * D + 4 * U * h  # head-sharded q, k, v, out, dout + staging
+    w += 4 * U * (h + 2 * kv) * D  # fp32 dq, dk, dv accumulators
+    if R > 1:
+        w += e * 2 * 2 * 2 * U * kv * D  # two K/V slots and two dK/dV slots
+        w += 4 * 2 * U * kv * D  # dK/dV summed in fp32
+    w += e * 5 * model.ffn / mlp_chunks  # one MLP chunk: 4 intermediates and a gradient
+    return w
+
+
+def longest_context(
+    model: ModelShape,
+    *,
+    ring: int = 1,
+    ulysses: int = 1,
+    dp: int = 1,
+    device_bytes: int,
+    reserve_bytes: int = 2 * GiB,
+    host_bytes: int | None = None,
+    checkpointing: bool = True,
+    offload: bool = False,
+    tiled_loss: bool = True,
+    loss_chunk_tokens: int | None = None,
+    tiled_mlp_chunks: int = 1,
+    zero_stage: int = 3,
+    grad_bytes: int | None = None,
+    optimizer_bytes_per_param: int = 12,
+    train_embeddings: bool = True,
+    calibration: Calibration | None = None,
+) -> MemoryPrediction:
+    """The longest sequence one CP group of ``R * U`` ranks trains on, and the bytes behind it.
+
+    Note [Memory model] is the reference; ``docs/planner.md`` shows calls. Host arithmetic only.
+
+    Args:
+        model: the shape (:meth:`ModelShape.llama3_8b` for Llama-3-8B).
+        ring, ulysses: ``R`` and ``U`` of the CP group.
+        dp: data-parallel replicas (they only shard the ZeRO state: ``dp * R * U`` ranks).
+        device_bytes: memory of one device (e.g. ``80 * 10**9`` for an 80 GB H100).
+        reserve_bytes: device bytes set aside for what is not modelled (CUDA context, NCCL
+            buffers, allocator fragmentation); an assumption, not a measurement.
+        host_bytes: host memory available per rank for offloaded activations (``None``: no limit).
+        checkpointing: activation checkpointing per layer.
+        offload: checkpointed layer inputs in host memory (needs ``checkpointing``).
+        tiled_loss: ``linear_cross_entropy`` (no ``[T, V]`` logits) instead of a plain loss.
+        loss_chunk_tokens: its tokens per chunk (``None``: its default, ``2**24 // V``).
+        tiled_mlp_chunks: ``TiledTokenwise`` chunks of the MLP (1: untiled).
+        zero_stage: 0 (replicated), 1 (optimizer sharded), 2 (+ gradients), 3 (+ parameters;
+            FSDP), over the ``dp * R * U`` ranks.
+        grad_bytes: bytes per gradient element (``None``: the model's element size).
+        optimizer_bytes_per_param: optimizer state per trainable parameter (12: fp32 master weights
+            and Adam's moments; 0 for a forward+backward without an optimizer).
+        train_embeddings: whether the embedding and lm-head take gradients and optimizer state.
+        calibration: the measured constants (default :data:`CPU_CALIBRATION`).
+
+    Returns:
+        :class:`MemoryPrediction`: ``bytes_per_token_per_rank``, ``fixed_bytes_per_rank``,
+        ``longest_tokens``, the breakdown.
+
+    Raises:
+        ValueError: a non-positive size, an unknown ZeRO stage, ``offload`` without
+            ``checkpointing``, or a ``device_bytes`` below the fixed bytes (the message names them).
+    """
+    where = "longest_context"
+    if not isinstance(model, ModelShape):
+        raise ValueError(f"{where}: model must be a ModelShape (e.g. ModelShape.llama3_8b()), got {type(model).__name__}")
+    for name, value in (("ring", ring), ("ulysses", ulysses), ("dp", dp), ("device_bytes", device_bytes),
+                        ("tiled_mlp_chunks", tiled_mlp_chunks)):
+        _positive(where, name, value)
+    for name, value in (("reserve_bytes", reserve_bytes), ("optimizer_bytes_per_param", optimizer_bytes_per_param)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
+    if host_bytes is not None:
+        _positive(where, "host_bytes", host_bytes)
+    if loss_chunk_tokens is not None:
+        _positive(where, "loss_chunk_tokens", loss_chunk_tokens)
+    if grad_bytes is not None:
+        _positive(where, "grad_bytes", grad_bytes)
+    if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
+        raise ValueError(f"{where}: zero_stage={zero_stage!r}; valid: 0, 1, 2, 3")
+    if offload and not checkpointing:
+        raise ValueError(f"{where}: offload=True keeps the checkpointed layer inputs on the host; "
+                         "set checkpointing=True (or offload=False)")
+    cal = calibration if calibration is not None else CPU_CALIBRATION
+    if not isinstance(cal, Calibration):
+        raise ValueError(f"{where}: calibration must be a Calibration, got {type(cal).__name__}")
+
+    e, hid, V, R, U = model.element_size, model.hidden, model.vocab, ring, ulysses
+    g = model.element_size if grad_bytes is None else grad_bytes
+    world = dp * R * U
+
+    # Per local token.
+    per_token: dict[str, float] = {}
+    host_per_token = 0.0
+    if checkpointing:
+        ckpt = float(model.layers * hid * e)
+        if offload:
+            host_per_token += ckpt
+            per_token["layer inputs (checkpoints)"] = 0.0
+        else:
+            per_token["layer inputs (checkpoints)"] = ckpt
+    else:
+        per_token["saved activations, every layer"] = model.layers * _layer_saved(model, U, tiled_mlp_chunks)
+    loss_inputs = 2 * hid * e + 4 + 8 + 8
+    if not tiled_loss:
+        loss_inputs += V * (4 + 4 + e)  # fp32 logits, their gradient, a copy in the model's dtype
+    per_token["final hidden + loss inputs"] = float(loss_inputs)
+    per_token["one layer's working set (x layer_factor)"] = (
+        cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
+    bytes_per_token = sum(per_token.values())
+
+    # Fixed per rank.
+    P = model.parameters
+    trainable = P if train_embeddings else P - model.embedding_parameters
+    fixed: dict[str, float] = {
+        "parameters": P * e / (world if zero_stage >= 3 else 1),
+        "gradients": trainable * g / (world if zero_stage >= 2 else 1),
+        "optimizer state": trainable * optimizer_bytes_per_param / (world if zero_stage >= 1 else 1),
+    }
+    if zero_stage == 3 and world > 1:
+        layer = model.layer_parameters
+        fixed["ZeRO-3 gathered layers"] = 2 * layer * e + layer * g + V * hid * e
+    if tiled_loss:
+        chunk = loss_chunk_tokens if loss_chunk_tokens is not None else max(1, (1 << 24) // V)
+        fixed["tiled loss chunk"] = float(chunk * V * (4 + 4 + e))
+    if train_embeddings:
+        fixed["lm-head gradient (fp32 + cast)"] = float(V * hid * (4 + g))
+    fixed["overhead (measured)"] = float(cal.overhead_bytes)
+    fixed_bytes = sum(fixed.values())
+
+    free = device_bytes - reserve_bytes - fixed_bytes
+    if free < bytes_per_token:
+        raise ValueError(
+            f"{where}: nothing fits: the fixed bytes per rank ({fixed_bytes / GiB:.2f} GiB: "
+            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in fixed.items())
+            + f") plus reserve_bytes ({reserve_bytes / GiB:.2f} GiB) leave {max(free, 0) / GiB:.2f} GiB of "
+            f"device_bytes={device_bytes / GiB:.2f} GiB; shard more (zero_stage=3, more ranks) or use a larger device"
+        )
+    local = int(free // bytes_per_token)
+    limited_by = "device"
+    if host_bytes is not None and host_per_token > 0 and host_bytes // host_per_token < local:
+        local, limited_by = int(host_bytes // host_per_token), "host"
+    options = dict(checkpointing=checkpointing, offload=offload, tiled_loss=tiled_loss,
+                   loss_chunk_tokens=loss_chunk_tokens, tiled_mlp_chunks=tiled_mlp_chunks, zero_stage=zero_stage,
+                   grad_bytes=g, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                   train_embeddings=train_embeddings)
+    return MemoryPrediction(
+        model=model, ring=R, ulysses=U, dp=dp, device_bytes=device_bytes, reserve_bytes=reserve_bytes,
+        host_bytes=host_bytes, bytes_per_token_per_rank=bytes_per_token, host_bytes_per_token_per_rank=host_per_token,
+        fixed_bytes_per_rank=fixed_bytes, longest_local_tokens=local, longest_tokens=local * R * U,
+        limited_by=limited_by, per_token=per_token, fixed=fixed, options=options, calibration=cal,
+    )
+
+
+def calibrate_from_fit(
+    slope: float, intercept: float, model: ModelShape, *, source: str, **options
+) -> Calibration:
+    """The :class:`Calibration` that makes :func:`longest_context` reproduce a measured line.
+
+    ``slope`` (bytes per local token) and ``intercept`` (bytes) come from a least-squares fit of
+    measured peaks over local tokens (``scripts/bench_longest.py``); ``options`` are the
+    :func:`longest_context` arguments of the measured run (``reserve_bytes`` is taken as 0).
+
+    Raises:
+        ValueError: a slope at or below the exact per-token terms (no working set left to scale).
+    """
+    base = longest_context(model, **{**options, "reserve_bytes": 0, "device_bytes": 1 << 62,
+                                     "calibration": Calibration(1.0, 0, "derived")})
+    layer = base.per_token["one layer's working set (x layer_factor)"]
+    exact = base.bytes_per_token_per_rank - layer
+    if slope <= exact:
+        raise ValueError(f"calibrate_from_fit: the measured slope {slope:,.0f} B/token is not above the exact "
+                         f"per-token terms ({exact:,.0f} B/token); the run does not match the options")
+    derived_fixed = base.fixed_bytes_per_rank
+    return Calibration(layer_factor=(slope - exact) / layer, overhead_bytes=round(intercept - derived_fixed),
+                       source=source)
+

@@ -1,0 +1,227 @@
+"""One rank of a Llama-shaped decoder stack at long context: its peak memory per length.
+
+Note [Longest-context measurement]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``scripts/bench_longest.py`` calibrates and validates the memory model of
+``seqpar.planner.memory`` (``docs/performance.md``, "Longest context: the memory model") with
+this stack, run as ONE rank of a ring ``R`` x Ulysses ``U`` job over torch's fake process group
+(``seqpar.tools.one_rank.fake_world``, Note [One-rank runs] in ``seqpar/tools/one_rank.py``): the
+rank runs exactly its own code -- the same plan, kernels on the same shapes, staging copies,
+workspace and saved tensors -- while collectives return at once.
+
+The stack is what a long-context training step holds on one rank, built from seqpar's pieces:
+
+- a frozen input embedding ``[V, hidden]`` (``train_embeddings=False``) or a trainable one;
+- ``layers`` decoder layers, each under non-reentrant activation checkpointing: RMSNorm, q/k/v/o
+  projections around ``seqpar.attention`` (causal, ``seq_len`` given so no call exchanges its
+  length), RMSNorm, a SwiGLU MLP wrapped in ``seqpar.training.TiledTokenwise(mlp_chunks)``; no
+  rotary embedding (element-wise temporaries only);
+- a final RMSNorm and ``seqpar.training.linear_cross_entropy`` (tiled lm-head + loss; the
+  ``[T, V]`` logits never exist) against random labels;
+- optionally (CUDA only) the checkpointed layer inputs kept in pinned host memory by
+  ``torch.autograd.graph.save_on_cpu`` (on the CPU the host *is* the device: refused).
+
+One step is a forward and a backward (no optimizer step: optimizer state is static bytes that the
+model counts from the parameter count). The peak is ``seqpar.tools.profiling.PeakMemory``'s: on
+CUDA the allocator's high-water mark, on the CPU ``StorageTracker``'s peak of tensor storage
+created in the step plus the bytes alive before it (parameters, ids, labels); kernel scratch that
+never becomes a tensor is not seen on the CPU. Each length runs on a fresh ``ParallelState``
+(``checks="never"``), so its workspace is created, and counted, inside the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .profiling import PeakMemory
+
+__all__ = ["StackConfig", "measure_peak"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """One rank (``cp_rank``) of an ``R x U`` job running a Llama-shaped decoder stack.
+
+    Attributes:
+        ring, ulysses: ``R`` and ``U``.
+        cp_rank: the rank this process plays.
+        layers, hidden, heads, kv_heads, head_dim, ffn, vocab: the model's shape.
+        dtype: parameters and activations (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        device: ``"cpu"`` or ``"cuda"``.
+        mlp_chunks: ``TiledTokenwise`` chunks of the MLP.
+        loss_chunk: tokens per chunk of the tiled loss (``None``: the library's default).
+        train_embeddings: whether the embedding and lm-head weights take gradients.
+        offload: keep the checkpointed layer inputs in host memory (CUDA only).
+        seed: of the weights and inputs.
+    """
+
+    ring: int = 2
+    ulysses: int = 2
+    cp_rank: int = 0
+    layers: int = 1
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    ffn: int = 14336
+    vocab: int = 128256
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    mlp_chunks: int = 8
+    loss_chunk: int | None = None
+    train_embeddings: bool = False
+    offload: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        where = "StackConfig"
+        for name in ("ring", "ulysses", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                     "mlp_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+        if not 0 <= self.cp_rank < self.ring * self.ulysses:
+            raise ValueError(f"{where}: cp_rank={self.cp_rank} is not a rank of {self.ring} x {self.ulysses} "
+                             f"(valid: 0..{self.ring * self.ulysses - 1})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{where}: heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"{where}: dtype={self.dtype!r}; valid: {sorted(_DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: device={self.device!r}; valid: 'cpu', 'cuda'")
+        if self.offload and self.device != "cuda":
+            raise ValueError(f"{where}: offload=True moves activations from a CUDA device to the host; on the "
+                             "CPU the host is the device (use device='cuda', or offload=False)")
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class _Layer(nn.Module):
+    """A Llama-shaped decoder layer (no rotary embedding) under activation checkpointing."""
+
+    def __init__(self, c: StackConfig, state, seq_len: int) -> None:
+        super().__init__()
+        from ..tiled import TiledTokenwise
+
+        H, Hkv, D = c.heads, c.kv_heads, c.head_dim
+        self.c, self.state, self.seq_len = c, state, seq_len
+        self.norm1, self.norm2 = nn.RMSNorm(c.hidden), nn.RMSNorm(c.hidden)
+        self.q = nn.Linear(c.hidden, H * D, bias=False)
+        self.k = nn.Linear(c.hidden, Hkv * D, bias=False)
+        self.v = nn.Linear(c.hidden, Hkv * D, bias=False)
+        self.o = nn.Linear(H * D, c.hidden, bias=False)
+        self.mlp = TiledTokenwise(_SwiGLU(c.hidden, c.ffn), c.mlp_chunks)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        from ..attention import attention
+
+        c = self.c
+        B, S = x.shape[:2]
+        h = self.norm1(x)
+        q = self.q(h).view(B, S, c.heads, c.head_dim)
+        k = self.k(h).view(B, S, c.kv_heads, c.head_dim)
+        v = self.v(h).view(B, S, c.kv_heads, c.head_dim)
+        a = attention(q, k, v, self.state, causal=True, seq_len=self.seq_len)
+        x = x + self.o(a.reshape(B, S, -1))
+        return x + self.mlp(self.norm2(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self._forward, x, use_reentrant=False)
+
+
+class _Stack(nn.Module):
+    def __init__(self, c: StackConfig, state, seq_len: int) -> None:
+        super().__init__()
+        self.c, self.state = c, state
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList([_Layer(c, state, seq_len) for _ in range(c.layers)])
+        self.norm = nn.RMSNorm(c.hidden)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        for p in (self.embed.weight, self.lm_head.weight):
+            p.requires_grad_(c.train_embeddings)
+
+    def loss(self, ids: Tensor, labels: Tensor) -> Tensor:
+        from ..training import linear_cross_entropy
+
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=True) if self.c.offload
+                   else contextlib.nullcontext())
+        with offload:
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+        h = self.norm(x)
+        return linear_cross_entropy(h, self.lm_head.weight, labels, self.state, chunk_size=self.c.loss_chunk)
+
+
+def measure_peak(config: StackConfig, local_tokens: int) -> dict:
+    """One forward+backward of rank ``config.cp_rank`` with ``local_tokens`` tokens; its peak bytes.
+
+    ``torch.distributed`` must be initialised as that rank of ``R * U``
+    (``seqpar.tools.one_rank.fake_world``). The global length is ``local_tokens * R * U``, which
+    gives every rank ``local_tokens`` tokens when ``2 * R`` divides it (the rank's actual count is
+    returned).
+
+    Returns:
+        ``local_tokens``, ``seq_len``, ``peak_bytes`` (before + in-step peak), ``before_bytes``
+        (parameters, ids, labels), ``in_step_peak_bytes``, ``param_bytes``, ``seconds``,
+        ``measured_by``, ``config``.
+
+    Raises:
+        ValueError: a non-positive ``local_tokens``.
+    """
+    from ..placement import Placement
+    from ..state import ParallelState
+
+    if isinstance(local_tokens, bool) or not isinstance(local_tokens, int) or local_tokens < 1:
+        raise ValueError(f"measure_peak: local_tokens must be a positive int, got {local_tokens!r}")
+    c = config
+    device = torch.device(c.device, 0) if c.device == "cuda" else torch.device("cpu")
+    dtype = _DTYPES[c.dtype]
+    seq_len = local_tokens * c.ring * c.ulysses
+    n = Placement.dense(seq_len, c.ring, c.ulysses).shard_lengths[c.cp_rank]
+    state = ParallelState(c.ring, c.ulysses, checks="never")
+    torch.manual_seed(c.seed)
+    try:
+        with torch.device(device):
+            stack = _Stack(c, state, seq_len).to(dtype)
+        gen = torch.Generator(device=device).manual_seed(c.seed + 1)
+        ids = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
+        labels = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
+        param_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
+        before = param_bytes + ids.nbytes + labels.nbytes
+        gc.collect()
+        t0 = time.perf_counter()
+        with PeakMemory(device) as mem:
+            stack.loss(ids, labels).backward()
+        seconds = time.perf_counter() - t0
+        if device.type == "cuda":
+            before = mem.start_bytes
+            by = "torch.cuda.max_memory_allocated"
+        else:
+            by = "StorageTracker peak + bytes alive before the step"
+        return {"local_tokens": n, "seq_len": seq_len, "peak_bytes": before + mem.peak, "before_bytes": before,
+                "in_step_peak_bytes": mem.peak, "param_bytes": param_bytes, "seconds": seconds,
+                "measured_by": by, "config": asdict(c)}
+    finally:
+        state.close()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,172 @@
+"""The memory model of ``seqpar.planner.memory`` (Note [Memory model]): its arithmetic on
+hand-checked cases, monotone in its inputs, bad input refused with the sizes named, and one tiny
+measured-versus-predicted run of ``scripts/bench_longest.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import seqpar
+from seqpar.planner import CPU_CALIBRATION, Calibration, ModelShape, longest_context
+from seqpar.planner.memory import calibrate_from_fit
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+UNIT = Calibration(1.0, 0, "unscaled")
+TINY = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=10, dtype=torch.float32)
+
+
+def test_llama3_8b_parameter_count():
+    m = ModelShape.llama3_8b()
+    assert m.parameters == 8_030_261_248  # Llama-3-8B's published count
+    assert m.element_size == 2 and m.layers == 32 and m.vocab == 128256
+    assert ModelShape.llama3_8b(layers=1).layers == 1
+
+
+def test_hand_checked_tiny_case():
+    # e = 4. Layer: norms 2*8, q 8*8, k, v 2*8*4, o 8*8, MLP 3*8*16 = 592; P = 2*592 + 2*10*8 + 8 = 1352.
+    assert TINY.layer_parameters == 592 and TINY.parameters == 1352
+    fixed = 1352 * 4 + 1352 * 4 + 1352 * 12 + 2 * 10 * 12 + 10 * 8 * 8  # params, grads, Adam, loss chunk, lm-head dW
+    # Per token: checkpoints 2*8*4; loss inputs 2*8*4 + 4 + 8 + 8; the layer: 6*8*4 (hidden-sized)
+    # + 2*(2*2 + 2*1)*4*4 (q, k, v, out and gradients) + 4*2 (lse) + 4*(2 + 2*1)*4 (fp32 dq, dk, dv)
+    # + 4*5*16 (the MLP, one chunk).
+    per_token = 64 + 84 + (192 + 192 + 8 + 64 + 320)
+    p = longest_context(TINY, device_bytes=fixed + 100 * per_token + per_token // 2, reserve_bytes=0, zero_stage=0,
+                        loss_chunk_tokens=2, calibration=UNIT)
+    assert p.fixed_bytes_per_rank == fixed
+    assert p.bytes_per_token_per_rank == per_token
+    assert (p.longest_local_tokens, p.longest_tokens, p.limited_by) == (100, 100, "device")
+    assert p.device_bytes_at(100) == fixed + 100 * per_token
+    # Ring 2 x Ulysses 2, ZeRO-3 over dp 2 x 4 = 8 ranks: state / 8, gathered layers, same per-token checkpoints.
+    q = longest_context(TINY, ring=2, ulysses=2, dp=2, device_bytes=10**6, reserve_bytes=0, loss_chunk_tokens=2,
+                        calibration=UNIT)
+    assert q.fixed["parameters"] == 1352 * 4 / 8 and q.fixed["optimizer state"] == 1352 * 12 / 8
+    assert q.fixed["ZeRO-3 gathered layers"] == 2 * 592 * 4 + 592 * 4 + 10 * 8 * 4
+    assert q.per_token["layer inputs (checkpoints)"] == 64
+    assert q.longest_tokens == 4 * q.longest_local_tokens
+    # The calibration scales the layer's working set only.
+    half = longest_context(TINY, device_bytes=10**6, zero_stage=0, loss_chunk_tokens=2, reserve_bytes=0,
+                           calibration=Calibration(0.5, 1000, "x"))
+    assert half.per_token["one layer's working set (x layer_factor)"] == 776 / 2
+    assert half.fixed["overhead (measured)"] == 1000
+
+
+def test_offload_moves_the_checkpoints_to_the_host():
+    m = ModelShape.llama3_8b()
+    kw = dict(ring=1, ulysses=8, device_bytes=80 * 10**9, tiled_mlp_chunks=16)
+    on, off = longest_context(m, offload=True, **kw), longest_context(m, **kw)
+    ckpt = 32 * 4096 * 2
+    assert off.per_token["layer inputs (checkpoints)"] == ckpt and on.per_token["layer inputs (checkpoints)"] == 0
+    assert on.host_bytes_per_token_per_rank == ckpt and off.host_bytes_per_token_per_rank == 0
+    assert off.bytes_per_token_per_rank - on.bytes_per_token_per_rank == pytest.approx(ckpt)
+    assert on.longest_tokens > off.longest_tokens
+    limited = longest_context(m, offload=True, host_bytes=ckpt * 1000, **kw)
+    assert (limited.longest_local_tokens, limited.limited_by) == (1000, "host")
+
+
+def test_monotone_in_its_inputs():
+    m = ModelShape.llama3_8b()
+
+    def longest(model=m, **kw):
+        args = dict(ring=2, ulysses=4, device_bytes=80 * 10**9, tiled_mlp_chunks=8)
+        return longest_context(model, **{**args, **kw}).longest_tokens
+
+    base = longest()
+    assert longest(device_bytes=60 * 10**9) < base < longest(device_bytes=100 * 10**9)
+    assert longest(reserve_bytes=8 * GiB) < base
+    assert longest(ModelShape.llama3_8b(layers=40)) < base
+    assert longest(ModelShape.llama3_8b(ffn=28672)) < base
+    assert longest(ModelShape.llama3_8b(vocab=256000)) < base
+    assert longest(ModelShape.llama3_8b(dtype=torch.float32)) < base
+    assert longest(tiled_mlp_chunks=2) < base < longest(tiled_mlp_chunks=32)
+    assert longest(offload=True) > base
+    assert longest(dp=4) > base  # ZeRO-3 over more ranks
+    assert longest(zero_stage=2) < base and longest(zero_stage=1) < longest(zero_stage=2)
+    assert longest(train_embeddings=False) > base
+    assert longest(tiled_loss=False) < base
+    assert longest(checkpointing=False) < base
+    assert longest(calibration=Calibration(CPU_CALIBRATION.layer_factor * 1.2, 0, "x")) < base
+    # More CP ranks: a longer sequence; per-rank bytes per token stay the same order.
+    assert longest(ring=4) > base and longest(ring=8, ulysses=8) > longest(ring=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(ring=0), ["ring", "0"]),
+        (dict(ulysses=2.5), ["ulysses", "2.5"]),
+        (dict(device_bytes=-1), ["device_bytes", "-1"]),
+        (dict(zero_stage=4), ["zero_stage=4", "0, 1, 2, 3"]),
+        (dict(offload=True, checkpointing=False), ["checkpointing=True"]),
+        (dict(tiled_mlp_chunks=0), ["tiled_mlp_chunks", "0"]),
+        (dict(reserve_bytes=-5), ["reserve_bytes", "-5"]),
+        (dict(host_bytes=0), ["host_bytes", "0"]),
+        (dict(device_bytes=10 * 10**9, zero_stage=0, ring=1, ulysses=1), ["nothing fits", "optimizer state", "GiB"]),
+    ],
+)
+def test_bad_input_names_the_sizes(kwargs, words):
+    args = dict(device_bytes=80 * 10**9, ring=1, ulysses=8)
+    with pytest.raises(ValueError) as e:
+        longest_context(ModelShape.llama3_8b(), **{**args, **kwargs})
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="heads=6 must be a multiple of kv_heads=4"):
+        ModelShape(layers=1, hidden=8, heads=6, kv_heads=4, head_dim=4, ffn=8, vocab=10)
+    with pytest.raises(ValueError, match="layers must be a positive int, got 0"):
+        ModelShape.llama3_8b(layers=0)
+    with pytest.raises(ValueError, match="floating"):
+        ModelShape.llama3_8b(dtype=torch.int8)
+    with pytest.raises(ValueError, match="ModelShape"):
+        longest_context("llama", device_bytes=10**9)
+    with pytest.raises(ValueError, match="layer_factor"):
+        Calibration(0.0, 0, "x")
+
+
+def test_calibration_reproduces_a_measured_line():
+    options = dict(ring=2, ulysses=2, zero_stage=0, optimizer_bytes_per_param=0, train_embeddings=False,
+                   tiled_mlp_chunks=8)
+    m = ModelShape.llama3_8b(layers=1)
+    truth = Calibration(0.7, 12345, "truth")
+    p = longest_context(m, device_bytes=4 * GiB, reserve_bytes=0, calibration=truth, **options)
+    cal = calibrate_from_fit(p.bytes_per_token_per_rank, p.fixed_bytes_per_rank, m, source="fit", **options)
+    assert cal.layer_factor == pytest.approx(0.7) and cal.overhead_bytes == 12345
+    with pytest.raises(ValueError, match="not above the exact per-token terms"):
+        calibrate_from_fit(100.0, 0.0, m, source="fit", **options)
+
+
+def test_top_level_export():
+    assert seqpar.longest_context is longest_context
+    p = seqpar.longest_context(ModelShape.llama3_8b(), ulysses=8, device_bytes=80 * 10**9, offload=True,
+                               tiled_mlp_chunks=16)
+    assert "longest" in p.table() and p.breakdown["fixed"]["parameters"] > 0
+
+
+def test_bench_longest_tiny_measured_against_predicted(tmp_path):
+    """A tiny stack (hidden 64) on 2 x 2: the fitted line predicts a 3x longer run within 3%, and
+    the validation (predicted longest fits, +10% does not) passes."""
+    out = tmp_path / "longest.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_longest.py", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "16", "--ffn", "224", "--vocab", "1000", "--loss-chunk", "32", "--lengths", "256,512,1024",
+         "--budget-gib", "0.012", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    report = json.loads(out.read_text()) if out.exists() else None
+    assert report is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    v = report["validation"]
+    assert v["predicted_local_tokens"] >= 3 * 1024, v  # well beyond the fitted lengths
+    assert v["peak_at_predicted"] == pytest.approx(v["predicted_peak_at_predicted"], rel=0.03), v
+    assert proc.returncode == 0 and v["passed"], proc.stdout[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["validation"]["passed"]
