@@ -6,6 +6,7 @@ Nothing here is imported by ``import seqpar``; import the module you need:
 - :mod:`.profiling`: time and peak memory of an operation on any device, collective counts;
 - :mod:`.one_rank`: one rank of a ring x Ulysses job alone in a process (Note [One-rank runs]);
 - :mod:`.calibration`: ``calibrate``, the degree planner's measurements (``seqpar.planner.calibrate``);
+- :mod:`.longest`: one rank of a Llama-shaped decoder stack and its peak memory (``scripts/bench_longest.py``);
 - :mod:`.demo`: ``python -m seqpar demo``;
 - :mod:`.models`: tiny reference models (a video DiT, small ``transformers`` configs, tiny diffusers pipelines);
 - :mod:`.bench`: what the benchmarks under ``scripts/`` share: launching ranks, inputs, warnings;
