@@ -65,6 +65,11 @@ class AllGatherSetup:
     ring: RingSetup
     gather: GatherPlan
 
+    @property
+    def workspace(self):
+        """The ring setup's workspace (the scope of a call opens on it)."""
+        return self.ring.workspace
+
 
 def kv_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
