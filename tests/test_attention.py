@@ -222,7 +222,7 @@ def _valid():
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, replicated_prefix=4, replicated_suffix=3),
          "exceed the 6 local tokens"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, replicated_prefix=2, causal=True),
-         "need non-causal attention without window or chunks, got causal"),
+         "need non-causal attention without window, chunks or mask slices, got causal"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, replicated_suffix=-1), "replicated_suffix must be"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, softcap=1.0, backend="cpu"), "has no softcap"),
         (lambda q, k, v, s: seqpar.attention(q, k, v, s, causal=1), "causal must be True or False"),
