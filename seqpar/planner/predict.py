@@ -360,7 +360,7 @@ def _memory(
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
     Two moments compete: the ring backward (shards of q, k, v, out, dout; the all-to-all's
-    head-sharded copies and staging; fp32 accumulators; ring buffers; one kernel's gradients) and
+    head-sharded copies and the staging copy of the one tensor in flight; fp32 accumulators; ring buffers; one kernel's gradients) and
     the way back (the accumulators gone, the head-sharded gradients and their staging, and the
     shard gradients dq, dk, dv). ``gather_width``: the all-gather transport's slot rows (Note
     [All-gather K/V]), whose buffers replace the ring's two-step slots.
@@ -383,9 +383,10 @@ def _memory(
             shards = local * (3 * H + 2 * Hkv) * unit * e  # q, k, v, out, dout
             ring = back = 0
             if U > 1:
-                shards += local * (3 * H + 2 * Hkv) * unit * e  # all-to-all staging (workspace)
+                shards += local * H * unit * e  # all-to-all staging: one tensor at a time (Note [Ulysses memory])
                 shards += L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
-                back = L * (h + 2 * a.kv_len) * unit * e * 2  # dq, dk, dv of its heads + staging
+                back = L * (h + 2 * a.kv_len) * unit * e  # dq, dk, dv of its heads
+                back += L * max(h, a.kv_len) * unit * e  # their staging, one at a time
             back += local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
             if h:
                 ring = L * (h + 2 * kv) * unit * acc  # fp32 accumulators of dq, dk, dv
