@@ -84,7 +84,7 @@ from seqpar.tools.report import (
     script_parser,
     table,
 )
-from seqpar.tools.testing import DistributedError
+from seqpar.tools.testing import DistPool, DistributedError
 
 # ---------------------------------------------------------------------------------------------
 # Cases and sides
@@ -582,7 +582,7 @@ def combine_check(per_rank: list[dict], name: str, tol: float) -> dict:
     return {"verdict": "ok" if err <= tol else "WRONG", "max_abs_err": err, "tokens_held": tokens}
 
 
-def check_case(ranks: Ranks, args: argparse.Namespace, case: Case, names: list[str]) -> dict:
+def check_case(ranks: DistPool, args: argparse.Namespace, case: Case, names: list[str]) -> dict:
     """Every shape of the exactness check: each side's verdict (:func:`combine_check`).
 
     All sides of a shape run in one call; when a rank dies there (gloo aborts the process when
@@ -602,7 +602,7 @@ def check_case(ranks: Ranks, args: argparse.Namespace, case: Case, names: list[s
                     verdicts[n] = combine_check(ranks.run(check_rank, args, case, shape, [n]), n, args.tol)
                 except DistributedError as exc:
                     dead = re.search(r"dead ranks: \[[^\]]*\]", str(exc))
-                    verdicts[n] = {"verdict": "crashed", "reason": "a rank process died or hung ("
+                    verdicts[n] = {"verdict": "crashed", "reason": "a rank died, hung or lost its connections ("
                                    + (dead.group(0) if dead else str(exc).splitlines()[0][:200])
                                    + "; gloo aborts a rank whose peers send other sizes: see stderr)"}
         found[shape_label] = {"shape": shape, **verdicts}
@@ -628,6 +628,7 @@ def measure_rank(args: argparse.Namespace, case: Case, names: list[str]) -> dict
         with PeakMemory(torch.device("cpu")) as mem:
             step(sides[name], locals_[name])
         peaks[name] = mem.peak
+    kept = sides["seqpar"].state.workspace.nbytes if "seqpar" in sides else None  # of the peak, kept for reuse
     timer = PhaseTimer(torch.device("cpu"), barrier=True)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
@@ -638,7 +639,8 @@ def measure_rank(args: argparse.Namespace, case: Case, names: list[str]) -> dict
     for side in sides.values():
         side.close()
     cpu = torch.device("cpu")
-    return {name: {"seconds": max_over_ranks(seconds[name], cpu), "peak": peaks[name]} for name in names}
+    return {name: {"seconds": max_over_ranks(seconds[name], cpu), "peak": peaks[name],
+                   "workspace": kept if name == "seqpar" else None} for name in names}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,6 +671,8 @@ def main() -> None:
                         help="max abs error (--check-dtype vs float64) judged exact; about 5e-2 for bfloat16")
     parser.add_argument("--check-timeout", type=float, default=30.0,
                         help="seconds a peer's collective may wait in the exactness check before it fails")
+    parser.add_argument("--check-startup", type=float, default=120.0,
+                        help="seconds the exactness check waits for its ranks to start (again after a peer killed one)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the timed runs (s)")
     parser.add_argument("--check-only", action="store_true", help="run the exactness check only")
     parser.add_argument("--even-check-only", action="store_true",
@@ -704,7 +708,8 @@ def main() -> None:
         plan.append((case, names))
 
     results: list[dict] = []
-    with Ranks(args.world, torchrun=False, timeout_s=args.check_timeout) as ranks:  # local CPU ranks
+    # Local CPU ranks; a peer that kills a rank costs a respawn, so the pool is told to expect a quick one.
+    with DistPool(args.world, timeout_s=args.check_timeout, startup_s=args.check_startup) as ranks:
         for case, names in plan:
             results.append({"case": case.key, "label": case.label, "ring": case.ring, "ulysses": case.ulysses,
                             "causal": case.causal, "exactness": check_case(ranks, args, case, names), "sides": {}})
@@ -726,6 +731,7 @@ def main() -> None:
                     rounds = per_rank[0][n]["seconds"]  # already the slowest rank's, per round
                     entry["sides"][n] = {"median_s": statistics.median(rounds), "rounds_s": rounds,
                                          "peak_bytes_max_rank": max(r[n]["peak"] for r in per_rank)}
+                entry["sides"]["seqpar"]["workspace_bytes_max_rank"] = max(r["seqpar"]["workspace"] for r in per_rank)
                 base = entry["sides"]["seqpar"]
                 for n in timed[1:]:
                     side = entry["sides"][n]
@@ -740,6 +746,7 @@ def main() -> None:
             rows.append([e["label"], n, f"{side['time_seqpar_over_peer']:.2f}", f"{side['memory_seqpar_over_peer']:.2f}",
                          f"{e['sides']['seqpar']['median_s'] * 1e3:.0f}", f"{side['median_s'] * 1e3:.0f}",
                          f"{e['sides']['seqpar']['peak_bytes_max_rank'] / 2**20:.1f}",
+                         f"{e['sides']['seqpar']['workspace_bytes_max_rank'] / 2**20:.1f}",
                          f"{side['peak_bytes_max_rank'] / 2**20:.1f}"])
     check_rows = []
     for e in results:
@@ -753,7 +760,7 @@ def main() -> None:
                  f"Hkv={args.kv_heads} D={args.head_dim} {args.dtype}, fwd+bwd, {args.world} ranks, median of "
                  f"{args.rounds} interleaved rounds\n"
                  + table(["case", "peer", "time ratio", "memory ratio", "seqpar ms", "peer ms", "seqpar MiB",
-                          "peer MiB"], rows) + "\n\n")
+                          "of which workspace", "peer MiB"], rows) + "\n\n")
     text += (f"exactness: max abs error of out, dq, dk, dv ({args.check_dtype}) vs one-device float64, "
              f"S={args.check_seq_len} "
              f"H=8 D=16 unless stated\n"
@@ -764,7 +771,8 @@ def main() -> None:
     notes = [
         ("time: the slowest rank's forward+backward, median over interleaved rounds; memory: peak tensor bytes "
          "of one forward+backward on a freshly built side (seqpar's state.workspace and any buffer a peer keeps "
-         "included), busiest rank"),
+         "included; 'of which workspace': seqpar's state.workspace, kept and reused by every later call and "
+         "layer on the state), busiest rank"),
         ("every side runs torch's CPU flash kernel; yunchang and ring-flash-attn through this script's CPU "
          "flash-attn stand-in (see --help)"),
         None if args.check_only or args.rounds >= 3 else
