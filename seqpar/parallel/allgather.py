@@ -39,17 +39,18 @@ from torch import Tensor
 
 from ..comm import Pending, start_all_gather, start_reduce_scatter
 from ..placement.gather import GatherPlan
-from ..placement.ring import BlockCall, SegmentCall, split_wide_blocks
-from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
+from .merge import accumulator_dtype, sinks_grad
 from .ring import (
     RingSetup,
     _Accumulator,
     _buffer,
-    _call_backward,
-    _call_backward_into,
     _call_forward,
-    _disjoint_keys,
+    _extra_grads,
+    _local_grads,
+    _Output,
     _record,
+    _remote_grads,
+    extra_block,
     ring_backward,
     ring_forward,
 )
@@ -151,33 +152,15 @@ def allgather_forward(
     if _local_only(run):
         return ring_forward(q, k, v, sinks, extra_k, extra_v, ring)
     steps = ring.plan.steps
-    acc = accumulator_dtype(q.dtype)
-    B, L, H, _ = q.shape
-    out_shape = (B, L, H, v.shape[-1])
-    out_acc: Tensor | None = None
-    lse_acc: Tensor | None = None
+    result = _Output(q, (*q.shape[:3], v.shape[-1]))
     cache: dict = {}
-
-    def merge(rows, out, lse) -> None:
-        nonlocal out_acc, lse_acc
-        if out_acc is None:
-            if rows is None or (rows.start == 0 and rows.stop == L):
-                out_acc, lse_acc = out.to(acc), lse.to(acc)
-                return
-            out_acc, lse_acc = new_accumulators(out_shape, device=q.device, dtype=q.dtype)
-        if rows is None:
-            merge_(out_acc, lse_acc, out, lse)
-        else:
-            merge_(out_acc[:, rows], lse_acc[..., rows], out, lse)
-
     pending, k_all, v_all = _start_gather(run, k, v)
     _record(ring, "gather", 0)
     _record(ring, "compute", 0)
     for call in steps[0].calls:
-        merge(*_call_forward(ring, call, q, k, v, cache))
-    if extra_k is not None and extra_k.shape[1] and L:
-        call = BlockCall(0, L, 0, extra_k.shape[1], (-1, -1))
-        merge(*_call_forward(ring, call, q, extra_k, extra_v, cache))
+        result.add(*_call_forward(ring, call, q, k, v, cache))
+    if (call := extra_block(q, extra_k)) is not None:
+        result.add(*_call_forward(ring, call, q, extra_k, extra_v, cache))
     pending.wait()
     _record(ring, "wait", 0)
     for i, step in enumerate(steps[1:], 1):
@@ -187,46 +170,8 @@ def allgather_forward(
         k_i = _step_rows(run, i, k_all[step.src], "allgather.step_k", step.kv_len)
         v_i = _step_rows(run, i, v_all[step.src], "allgather.step_v", step.kv_len)
         for call in step.calls:
-            merge(*_call_forward(ring, call, q, k_i, v_i, cache))
-    if out_acc is None:
-        out_acc, lse_acc = new_accumulators(out_shape, device=q.device, dtype=q.dtype)
-    if sinks is not None:
-        out_acc, lse_acc = add_sinks(out_acc, lse_acc, sinks)
-    return out_acc.to(q.dtype), lse_acc
-
-
-def _step_grads(
-    run: AllGatherSetup, step, i: int, dout, q, k_i, v_i, out, lse, dq: _Accumulator, gk: Tensor, gv: Tensor,
-    cache: dict,
-) -> None:
-    """dQ of step ``i`` into ``dq``; dK/dV of its compact K/V rows into ``gk`` / ``gv``
-    (``[B, kv_len, ...]`` in the input dtype, every row written)."""
-    ring = run.ring
-    acc = accumulator_dtype(q.dtype)
-    calls = split_wide_blocks(step.calls)
-    if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
-        gk.zero_()  # rows no call reads (none in a plan's compact buffer) stay zero
-        gv.zero_()
-        for call in calls:
-            rows, cols, g_q, g_k, g_v = _call_backward(ring, call, dout, q, k_i, v_i, out, lse, cache)
-            dq.add(rows, g_q)
-            (gk if cols is None else gk[:, cols]).copy_(g_k)
-            (gv if cols is None else gv[:, cols]).copy_(g_v)
-            del g_q, g_k, g_v
-        return
-    sum_k = _buffer(ring, "allgather.sum_grad_k", tuple(gk.shape), gk, acc).zero_()
-    sum_v = _buffer(ring, "allgather.sum_grad_v", tuple(gv.shape), gv, acc).zero_()
-    for call in calls:
-        if isinstance(call, SegmentCall):
-            _call_backward_into(ring, call, dout, q, k_i, v_i, out, lse, (dq.result(), sum_k, sum_v), cache)
-            continue
-        rows, cols, g_q, g_k, g_v = _call_backward(ring, call, dout, q, k_i, v_i, out, lse, cache)
-        dq.add(rows, g_q)
-        sum_k[:, cols] += g_k
-        sum_v[:, cols] += g_v
-        del g_q, g_k, g_v
-    gk.copy_(sum_k)
-    gv.copy_(sum_v)
+            result.add(*_call_forward(ring, call, q, k_i, v_i, cache))
+    return result.result(sinks)
 
 
 def allgather_backward(
@@ -251,24 +196,8 @@ def allgather_backward(
     pending, k_all, v_all = _start_gather(run, k, v)
     _record(ring, "gather", 0)
     _record(ring, "compute", 0)
-    for call in steps[0].calls:
-        if isinstance(call, SegmentCall):  # added in place, sequence by sequence
-            _call_backward_into(ring, call, dout, q, k, v, out, lse, (dq.result(), dk.result(), dv.result()), cache)
-            continue
-        rows, cols, g_q, g_k, g_v = _call_backward(ring, call, dout, q, k, v, out, lse, cache)
-        dq.add(rows, g_q)
-        dk.add(cols, g_k)
-        dv.add(cols, g_v)
-        del g_q, g_k, g_v
-    dextra = None
-    if extra_k is not None:
-        dextra = (_Accumulator(extra_k.shape, acc, q.device), _Accumulator(extra_v.shape, acc, q.device))
-        if extra_k.shape[1] and q.shape[1]:
-            call = BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1))
-            _, cols, g_q, g_k, g_v = _call_backward(ring, call, dout, q, extra_k, extra_v, out, lse, cache)
-            dq.add(None, g_q)
-            dextra[0].add(cols, g_k)
-            dextra[1].add(cols, g_v)
+    _local_grads(ring, steps[0].calls, dout, q, k, v, out, lse, dq, dk, dv, cache)
+    dextra = _extra_grads(ring, dout, q, extra_k, extra_v, out, lse, dq, cache)
     pending.wait()
     _record(ring, "wait", 0)
 
@@ -287,12 +216,12 @@ def allgather_backward(
         ranges = g.steps[i]
         if len(ranges) == 1:  # straight into the slot
             a, b = ranges[0]
-            _step_grads(run, step, i, dout, q, k_i, v_i, out, lse, dq, gk_all[step.src][:, a:b],
-                        gv_all[step.src][:, a:b], cache)
+            _remote_grads(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk_all[step.src][:, a:b],
+                          gv_all[step.src][:, a:b], cache)
             continue
         gk = _buffer(ring, "allgather.step_grad_k", tuple(k_i.shape), k, k.dtype)
         gv = _buffer(ring, "allgather.step_grad_v", tuple(v_i.shape), v, v.dtype)
-        _step_grads(run, step, i, dout, q, k_i, v_i, out, lse, dq, gk, gv, cache)
+        _remote_grads(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk, gv, cache)
         off = 0
         for a, b in ranges:
             gk_all[step.src][:, a:b].copy_(gk[:, off:off + b - a])

@@ -193,6 +193,105 @@ class _Accumulator:
         return self.value
 
 
+class _Output:
+    """The forward's ``(out, lse)`` merged block by block by LSE (Note [LSE merge]), in the
+    accumulator dtype: the first result that covers every row *becomes* the accumulator."""
+
+    def __init__(self, q: Tensor, out_shape: tuple[int, ...]) -> None:
+        self.q, self.shape = q, out_shape
+        self.acc = accumulator_dtype(q.dtype)
+        self.out: Tensor | None = None
+        self.lse: Tensor | None = None
+
+    def add(self, rows: slice | None, out: Tensor, lse: Tensor) -> None:
+        if self.out is None:
+            if rows is None or (rows.start == 0 and rows.stop == self.shape[1]):
+                self.out, self.lse = out.to(self.acc), lse.to(self.acc)
+                return
+            self.out, self.lse = new_accumulators(self.shape, device=self.q.device, dtype=self.q.dtype)
+        if rows is None:
+            merge_(self.out, self.lse, out, lse)
+        else:
+            merge_(self.out[:, rows], self.lse[..., rows], out, lse)
+
+    def result(self, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(out in q's dtype, lse)``, sinks joined last; rows no block reached are 0 / -inf."""
+        if self.out is None:
+            self.out, self.lse = new_accumulators(self.shape, device=self.q.device, dtype=self.q.dtype)
+        out, lse = self.out, self.lse
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        return out.to(self.q.dtype), lse
+
+
+def extra_block(q: Tensor, extra_k: Tensor | None) -> BlockCall | None:
+    """The one block of every query against the replicated extra keys (joint attention), or None."""
+    if extra_k is None or not extra_k.shape[1] or not q.shape[1]:
+        return None
+    return BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1))
+
+
+def _local_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, dk: _Accumulator,
+                 dv: _Accumulator, cache: dict) -> None:
+    """Add the gradients of the calls on this rank's own K/V (step 0) into ``dq``, ``dk``, ``dv``."""
+    for call in calls:
+        if isinstance(call, SegmentCall):  # added in place, sequence by sequence
+            _call_backward_into(run, call, dout, q, k, v, out, lse, (dq.result(), dk.result(), dv.result()), cache)
+            continue
+        rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
+        dq.add(rows, g_q)
+        dk.add(cols, g_k)
+        dv.add(cols, g_v)
+        del g_q, g_k, g_v
+
+
+def _extra_grads(run: RingSetup, dout, q, extra_k, extra_v, out, lse, dq: _Accumulator, cache: dict):
+    """``(dextra_k, dextra_v)`` accumulators of the replicated extra keys (None without them); their
+    block's dQ goes into ``dq``."""
+    if extra_k is None:
+        return None
+    acc = accumulator_dtype(q.dtype)
+    dextra = (_Accumulator(extra_k.shape, acc, q.device), _Accumulator(extra_v.shape, acc, q.device))
+    call = extra_block(q, extra_k)
+    if call is not None:
+        _, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, extra_k, extra_v, out, lse, cache)
+        dq.add(None, g_q)
+        dextra[0].add(cols, g_k)
+        dextra[1].add(cols, g_v)
+    return dextra
+
+
+def _remote_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, gk: Tensor, gv: Tensor,
+                  cache: dict) -> None:
+    """dQ of the calls on a remote rank's K/V rows into ``dq``; their dK/dV into ``gk`` / ``gv``
+    (``[B, rows, ...]`` in the input dtype; every row is written, as every row of a step's compact
+    buffer is read by some call): directly when the calls read disjoint key rows, else summed in the
+    accumulator dtype first (segments, shared key rows)."""
+    calls = split_wide_blocks(calls)
+    if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
+        for call in calls:
+            rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
+            dq.add(rows, g_q)
+            (gk if cols is None else gk[:, cols]).copy_(g_k)
+            (gv if cols is None else gv[:, cols]).copy_(g_v)
+            del g_q, g_k, g_v
+        return
+    acc = accumulator_dtype(q.dtype)
+    sum_k = _buffer(run, "ring.sum_grad_k", tuple(gk.shape), gk, acc).zero_()
+    sum_v = _buffer(run, "ring.sum_grad_v", tuple(gv.shape), gv, acc).zero_()
+    for call in calls:
+        if isinstance(call, SegmentCall):
+            _call_backward_into(run, call, dout, q, k, v, out, lse, (dq.result(), sum_k, sum_v), cache)
+            continue
+        rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
+        dq.add(rows, g_q)
+        sum_k[:, cols] += g_k
+        sum_v[:, cols] += g_v
+        del g_q, g_k, g_v
+    gk.copy_(sum_k)
+    gv.copy_(sum_v)
+
+
 def _post_kv(run: RingSetup, step, k: Tensor, v: Tensor, slot: int):
     """Post step ``step``'s K/V transfers; return ``(pending, k_buffer, v_buffer)``."""
     sends = []
@@ -240,22 +339,8 @@ def ring_forward(
         if sinks is not None:
             out, lse = add_sinks(out, lse.to(acc), sinks)
         return out, lse.to(acc)
-    out_acc: Tensor | None = None
-    lse_acc: Tensor | None = None
+    result = _Output(q, out_shape)
     cache: dict = {}
-
-    def merge(rows, out, lse) -> None:
-        nonlocal out_acc, lse_acc
-        if out_acc is None:
-            if rows is None or (rows.start == 0 and rows.stop == L):  # the first result covers all
-                out_acc, lse_acc = out.to(acc), lse.to(acc)
-                return
-            out_acc, lse_acc = new_accumulators(out_shape, device=q.device, dtype=q.dtype)
-        if rows is None:
-            merge_(out_acc, lse_acc, out, lse)
-        else:
-            merge_(out_acc[:, rows], lse_acc[..., rows], out, lse)
-
     k_cur, v_cur = k, v
     for i, step in enumerate(steps):
         pending = None
@@ -264,19 +349,14 @@ def ring_forward(
             _record(run, "post", i + 1)
         _record(run, "compute", i)
         for call in step.calls:
-            merge(*_call_forward(run, call, q, k_cur, v_cur, cache))  # block results die here
-        if i == 0 and extra_k is not None and extra_k.shape[1] and L:
-            call = BlockCall(0, L, 0, extra_k.shape[1], (-1, -1))
-            merge(*_call_forward(run, call, q, extra_k, extra_v, cache))
+            result.add(*_call_forward(run, call, q, k_cur, v_cur, cache))  # block results die here
+        if i == 0 and (call := extra_block(q, extra_k)) is not None:
+            result.add(*_call_forward(run, call, q, extra_k, extra_v, cache))
         if pending is not None:
             pending.wait()
             _record(run, "wait", i + 1)
             k_cur, v_cur = k_next, v_next
-    if out_acc is None:
-        out_acc, lse_acc = new_accumulators(out_shape, device=q.device, dtype=q.dtype)
-    if sinks is not None:
-        out_acc, lse_acc = add_sinks(out_acc, lse_acc, sinks)
-    return out_acc.to(q.dtype), lse_acc
+    return result.result(sinks)
 
 
 def ring_backward(
@@ -327,57 +407,16 @@ def ring_backward(
             _record(run, "post", i + 1)
         _record(run, "compute", i)
         if i == 0:
-            for call in step.calls:
-                if isinstance(call, SegmentCall):  # added in place, sequence by sequence
-                    grads = (dq.result(), dk.result(), dv.result())
-                    _call_backward_into(run, call, dout, q, k_cur, v_cur, out, lse, grads, cache)
-                    continue
-                rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
-                dq.add(rows, g_q)
-                dk.add(cols, g_k)
-                dv.add(cols, g_v)
-                del g_q, g_k, g_v
-            if extra_k is not None:
-                dextra = (_Accumulator(extra_k.shape, acc, q.device), _Accumulator(extra_v.shape, acc, q.device))
-                if extra_k.shape[1] and q.shape[1]:
-                    call = BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1))
-                    _, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, extra_k, extra_v, out, lse, cache)
-                    dq.add(None, g_q)
-                    dextra[0].add(cols, g_k)
-                    dextra[1].add(cols, g_v)
+            _local_grads(run, step.calls, dout, q, k_cur, v_cur, out, lse, dq, dk, dv, cache)
+            dextra = _extra_grads(run, dout, q, extra_k, extra_v, out, lse, dq, cache)
         else:
             # The gradients of src's rows go back to src in q's dtype, written into one of two
-            # alternating send slots (the other may still be in flight) -- directly when the calls
-            # read disjoint key rows, else summed in the accumulator dtype first.
+            # alternating send slots (the other may still be in flight).
             shape_k = (k.shape[0], step.kv_len, *k.shape[2:])
             shape_v = (v.shape[0], step.kv_len, *v.shape[2:])
             send_k = _buffer(run, f"ring.send_grad_k.{i % 2}", shape_k, k, k.dtype)
             send_v = _buffer(run, f"ring.send_grad_v.{i % 2}", shape_v, v, v.dtype)
-            calls = split_wide_blocks(step.calls)
-            if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
-                # Each key row's gradient comes from one call: straight into the send buffers.
-                for call in calls:
-                    rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
-                    dq.add(rows, g_q)
-                    (send_k if cols is None else send_k[:, cols]).copy_(g_k)
-                    (send_v if cols is None else send_v[:, cols]).copy_(g_v)
-                    del g_q, g_k, g_v
-            else:
-                # Segments, or blocks sharing key rows: sum in the accumulator dtype, then send.
-                sum_k = _buffer(run, "ring.sum_grad_k", shape_k, k, acc).zero_()
-                sum_v = _buffer(run, "ring.sum_grad_v", shape_v, v, acc).zero_()
-                for call in calls:
-                    if isinstance(call, SegmentCall):
-                        grads = (dq.result(), sum_k, sum_v)
-                        _call_backward_into(run, call, dout, q, k_cur, v_cur, out, lse, grads, cache)
-                        continue
-                    rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k_cur, v_cur, out, lse, cache)
-                    dq.add(rows, g_q)
-                    sum_k[:, cols] += g_k
-                    sum_v[:, cols] += g_v
-                    del g_q, g_k, g_v
-                send_k.copy_(sum_k)
-                send_v.copy_(sum_v)
+            _remote_grads(run, step.calls, dout, q, k_cur, v_cur, out, lse, dq, send_k, send_v, cache)
             # The previous step's gradients have arrived by now (their transfer overlapped this
             # step's compute): add them home, which frees the receive slot.
             if grads_in is not None:
