@@ -23,12 +23,10 @@ on reading the rows; a block of many tokens (chunked prefill) is split in tiles 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from ..checks import check_alibi_slopes
+from ..checks import check_alibi_slopes, check_mask_options
 from ..comm import all_gather, exchange_ints
 from ..parallel.merge import accumulator_dtype, add_sinks, merge_
 from ..placement import Mask, Placement
@@ -39,20 +37,16 @@ __all__ = ["attend_rows", "decode", "prefill"]
 _SCORES_PER_TILE = 1 << 24  # score entries per query tile of the local attention
 
 
-def _mask(causal: bool, window: tuple[int, int], chunk_size: int | None, where: str) -> Mask:
-    if not causal:
+def _mask(causal: object, window: object, chunk_size: object, softcap: object, where: str) -> Mask:
+    """The cache's mask, with the options checked as ``seqpar.attention`` checks them
+    (``seqpar.checks.check_mask_options``); a KV cache serves causal attention only."""
+    if causal is False:
         raise NotImplementedError(
             f"{where}: causal=False; a KV cache serves causal attention only (a new token would change "
             "the outputs of every earlier one under a bidirectional mask); use seqpar.attention"
         )
-    if (
-        not isinstance(window, (tuple, list)) or len(window) != 2
-        or not all(isinstance(w, int) and w >= -1 for w in window)
-    ):
-        raise ValueError(f"{where}: window must be (left, right) ints >= -1, got {window!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{where}: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
-    return Mask(True, (int(window[0]), 0 if window[1] != -1 else -1), chunk_size)
+    causal, window, chunk_size, _ = check_mask_options(causal, window, chunk_size, softcap, where)
+    return Mask(causal, window, chunk_size)
 
 
 
@@ -156,12 +150,10 @@ def _merge_over_group(out: Tensor, lse: Tensor, state, sinks: Tensor | None) -> 
     return out, lse
 
 
-def _options(q: Tensor, softmax_scale: float | None, softcap: float, sinks: Tensor | None, where: str) -> float:
+def _options(q: Tensor, softmax_scale: float | None, sinks: Tensor | None, where: str) -> float:
     h, d = q.shape[2], q.shape[3]
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != h):
         raise ValueError(f"{where}: sinks must be ({h},), one logit per query head, got {tuple(sinks.shape)}")
-    if not isinstance(softcap, (int, float)) or softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"{where}: softcap must be a finite float >= 0, got {softcap!r}")
     return d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
@@ -206,7 +198,7 @@ def prefill(
         NotImplementedError: ``causal=False``.
     """
     where = "seqpar.inference.prefill"
-    mask = _mask(causal, window, chunk_size, where)
+    mask = _mask(causal, window, chunk_size, softcap, where)
     state = cache.state
     rows = cache.layer(layer)
     if rows.length:
@@ -281,9 +273,9 @@ def decode(
         NotImplementedError: ``causal=False``.
     """
     where = "seqpar.inference.decode"
-    mask = _mask(causal, window, chunk_size, where)
+    mask = _mask(causal, window, chunk_size, softcap, where)
     _check_block(q, k, v, where)
-    scale = _options(q, softmax_scale, softcap, sinks, where)
+    scale = _options(q, softmax_scale, sinks, where)
     slopes = check_alibi_slopes(alibi_slopes, q.shape[2], q, where)
     rows = cache.layer(layer)
     first = rows.length
