@@ -135,19 +135,22 @@ def check_scale(softmax_scale: object, where: str) -> None:
         )
 
 
+def _check_per_head(x: object, name: str, unit: str, num_heads: int, like: torch.Tensor, where: str) -> None:
+    """Raise unless ``x`` is a floating ``[H]`` tensor (one ``unit`` per query head) on ``like``'s device."""
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise ValueError(f"{where}: {name} must be a floating tensor of {num_heads} {unit}s, got {x!r:.80}")
+    if tuple(x.shape) != (num_heads,):
+        raise ValueError(
+            f"{where}: {name} must have one {unit} per query head, shape ({num_heads},), got {tuple(x.shape)}"
+        )
+    if x.device != like.device:
+        raise ValueError(f"{where}: {name} are on {x.device} but q is on {like.device}")
+
+
 def check_sinks(sinks: object, num_heads: int, like: torch.Tensor, where: str) -> None:
     """Raise unless ``sinks`` is ``None`` or a floating ``[H]`` tensor on ``like``'s device."""
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
-        raise ValueError(f"{where}: sinks must be a floating tensor of {num_heads} logits, got {sinks!r:.80}")
-    if tuple(sinks.shape) != (num_heads,):
-        raise ValueError(
-            f"{where}: sinks must have one logit per query head, shape ({num_heads},), got "
-            f"{tuple(sinks.shape)}"
-        )
-    if sinks.device != like.device:
-        raise ValueError(f"{where}: sinks are on {sinks.device} but q is on {like.device}")
+    if sinks is not None:
+        _check_per_head(sinks, "sinks", "logit", num_heads, like, where)
 
 
 def check_alibi_slopes(slopes: object, num_heads: int, like: torch.Tensor, where: str) -> torch.Tensor | None:
@@ -162,15 +165,7 @@ def check_alibi_slopes(slopes: object, num_heads: int, like: torch.Tensor, where
     """
     if slopes is None:
         return None
-    if not isinstance(slopes, torch.Tensor) or not slopes.dtype.is_floating_point:
-        raise ValueError(f"{where}: alibi_slopes must be a floating tensor of {num_heads} slopes, got {slopes!r:.80}")
-    if tuple(slopes.shape) != (num_heads,):
-        raise ValueError(
-            f"{where}: alibi_slopes must have one slope per query head, shape ({num_heads},), got "
-            f"{tuple(slopes.shape)}"
-        )
-    if slopes.device != like.device:
-        raise ValueError(f"{where}: alibi_slopes are on {slopes.device} but q is on {like.device}")
+    _check_per_head(slopes, "alibi_slopes", "slope", num_heads, like, where)
     if slopes.device.type == "cpu" and not bool(torch.isfinite(slopes).all()):
         raise ValueError(f"{where}: alibi_slopes must be finite, got {slopes.tolist()}")
     return slopes.detach().to(torch.float64 if slopes.dtype == torch.float64 else torch.float32)
