@@ -69,6 +69,9 @@ __all__ = [
     "Window",
     "kernel_window",
     "row_key_bounds",
+    "keyless_prefix",
+    "forward_skipping_keyless",
+    "backward_skipping_keyless",
     "check_dense",
     "check_varlen",
     "lse_dtype",
@@ -108,6 +111,56 @@ def row_key_bounds(sq: int, sk: int, window: Window, device: torch.device | str 
     lower = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
     upper = (i + right).clamp(max=sk - 1) if right >= 0 else torch.full_like(i, sk - 1)
     return lower, upper
+
+
+def keyless_prefix(sq: int, sk: int, window: Window) -> int:
+    """How many leading query rows of a ``sq x sk`` dense block see no key (Note [Keyless rows]).
+
+    ``window`` is a kernel window (:func:`kernel_window`); the rows without keys are always a
+    prefix: ``sq - sk - right`` of them when the right side is bounded and ``sq > sk + right``.
+    """
+    right = window[1]
+    return 0 if right < 0 else min(sq, max(0, sq - sk - right))
+
+
+# Note [Keyless rows]
+# ~~~~~~~~~~~~~~~~~~~
+# Under a bottom-right aligned mask with a bounded right side (causal included), a dense block
+# with more query rows than ``Sk + right`` has leading rows that see no key. The contract is
+# ``out = 0, lse = -inf`` for them, but the CUDA kernels bundled with PyTorch do not honour it
+# (measured on an H200, torch 2.11: output error 4.45 on a 129 x 3 causal block, bf16, fp16 and
+# fp32 alike). Dropping those rows keeps the mask of every other row (the offset ``Sk - Sq`` of
+# row ``i`` is ``i``'s distance to the last row, which trimming the front leaves alone), so the
+# CUDA backends run their kernels on ``q[:, n:]`` only and fill the rest themselves; a row that
+# sees no key gets no gradient and gives none to k or v.
+
+
+def forward_skipping_keyless(kernel, q: Tensor, k: Tensor, v: Tensor, skip: int, **options):
+    """``kernel(q[:, skip:], k, v, **options)`` with the ``skip`` keyless leading rows filled
+    with ``out = 0, lse = -inf`` (Note [Keyless rows]). Returns ``(out, lse)`` of all rows."""
+    b, sq, h, _ = q.shape
+    if skip >= sq:
+        return empty_forward(q, (b, h, sq), v.shape[-1])
+    out_rows, lse_rows = kernel(q[:, skip:], k, v, **options)
+    out = out_rows.new_zeros(b, sq, h, out_rows.shape[-1])
+    out[:, skip:] = out_rows
+    lse = lse_rows.new_full((b, h, sq), float("-inf"))
+    lse[..., skip:] = lse_rows
+    return out, lse
+
+
+def backward_skipping_keyless(
+    kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, skip: int, **options,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`forward_skipping_keyless`: the kernel sees the rows with keys, the
+    ``skip`` leading rows get ``dq = 0`` and add nothing to ``dk``/``dv``."""
+    if skip >= q.shape[1]:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    rows = slice(skip, None)
+    dq_rows, dk, dv = kernel(dout[:, rows], q[:, rows], k, v, out[:, rows], lse[..., rows], **options)
+    dq = torch.zeros_like(q)
+    dq[:, rows] = dq_rows
+    return dq, dk, dv
 
 
 Alibi = tuple[Tensor, int]

@@ -43,6 +43,9 @@ from .base import (
     KernelBackend,
     Packing,
     Window,
+    backward_skipping_keyless,
+    forward_skipping_keyless,
+    keyless_prefix,
     lse_for_backward,
     normalise_lse_,
     packed_lse_from_padded,
@@ -122,6 +125,9 @@ class TorchFlashBackend(KernelBackend):
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
+        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
+            return forward_skipping_keyless(self.kernel_forward, q, k, v, skip, scale=scale, window=window,
+                                            softcap=softcap)
         sq, sk = q.shape[1], k.shape[1]
         w = _flash_width(q, v, self.name)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
@@ -134,6 +140,9 @@ class TorchFlashBackend(KernelBackend):
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
         scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
+            return backward_skipping_keyless(self.kernel_backward, dout, q, k, v, out, lse, skip, scale=scale,
+                                             window=window, softcap=softcap)
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         w = _flash_width(q, v, self.name)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -253,6 +262,9 @@ class TorchEfficientBackend(KernelBackend):
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
+        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
+            return forward_skipping_keyless(self.kernel_forward, q, k, v, skip, scale=scale, window=window,
+                                            softcap=softcap)
         _, sq, h, _ = q.shape
         w = padded_head_dim(q.shape[-1], v.shape[-1])
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
@@ -266,6 +278,9 @@ class TorchEfficientBackend(KernelBackend):
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
         scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
+            return backward_skipping_keyless(self.kernel_backward, dout, q, k, v, out, lse, skip, scale=scale,
+                                             window=window, softcap=softcap)
         b, sq, h, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         w = padded_head_dim(d, v.shape[-1])

@@ -336,8 +336,8 @@ def fake_world(world_size: int, rank: int, device: torch.device | None = None) -
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as e:  # pragma: no cover - torch without the fake group
         raise RuntimeError(f"fake_world: this torch ({torch.__version__}) has no fake process group: {e}") from e
-    if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device is not None and device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # a bare "cuda" keeps the current device (torch 2.11 refuses it here)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
