@@ -328,7 +328,7 @@ def test_cuda_world_size_one(dtype, causal, layout):
     dout = torch.randn(B, S, H, D, device="cuda", generator=g)
 
     def run(ts, dt, fn):
-        leaves = [t.to(dt).requires_grad_() for t in ts]
+        leaves = [t.detach().to(dt, copy=True).requires_grad_() for t in ts]  # fresh leaves every run
         out = fn(*leaves)
         out.backward(dout.to(dt))
         return [out.double()] + [t.grad.double() for t in leaves]

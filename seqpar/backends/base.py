@@ -72,6 +72,7 @@ __all__ = [
     "keyless_prefix",
     "forward_skipping_keyless",
     "backward_skipping_keyless",
+    "split_keyless_sequences",
     "check_dense",
     "check_varlen",
     "lse_dtype",
@@ -117,22 +118,31 @@ def keyless_prefix(sq: int, sk: int, window: Window) -> int:
     """How many leading query rows of a ``sq x sk`` dense block see no key (Note [Keyless rows]).
 
     ``window`` is a kernel window (:func:`kernel_window`); the rows without keys are always a
-    prefix: ``sq - sk - right`` of them when the right side is bounded and ``sq > sk + right``.
+    prefix: ``sq - sk - right`` of them when the right side is bounded and ``sq > sk + right``
+    (all of them when ``sk == 0``).
     """
+    if sk == 0:
+        return sq
     right = window[1]
     return 0 if right < 0 else min(sq, max(0, sq - sk - right))
 
 
 # Note [Keyless rows]
 # ~~~~~~~~~~~~~~~~~~~
-# Under a bottom-right aligned mask with a bounded right side (causal included), a dense block
-# with more query rows than ``Sk + right`` has leading rows that see no key. The contract is
-# ``out = 0, lse = -inf`` for them, but the CUDA kernels bundled with PyTorch do not honour it
-# (measured on an H200, torch 2.11: output error 4.45 on a 129 x 3 causal block, bf16, fp16 and
-# fp32 alike). Dropping those rows keeps the mask of every other row (the offset ``Sk - Sq`` of
-# row ``i`` is ``i``'s distance to the last row, which trimming the front leaves alone), so the
-# CUDA backends run their kernels on ``q[:, n:]`` only and fill the rest themselves; a row that
-# sees no key gets no gradient and gives none to k or v.
+# Under a bottom-right aligned mask with a bounded right side (causal included), a block with
+# more query rows than ``Sk + right`` has leading rows that see no key; the contract gives them
+# ``out = 0, lse = -inf``. PyTorch's memory-efficient kernel (``custom_mask_type = 2``) gets such
+# blocks wrong (measured on an H200, torch 2.11, ``scripts/gpu_check``): a 129 x 3 causal block
+# came back with output errors of 4.45 in bf16, fp16 and fp32, and in a packed call with a
+# 20-query / 5-key causal sequence rows 0-18 were wrong, rows 15-18 included, which do see keys.
+# Blocks with ``Sq <= Sk`` are right, and so is the bundled FlashAttention kernel in every case.
+# Dropping the leading keyless rows keeps the mask of every other row (row ``i``'s offset
+# ``Sk - Sq`` is its distance to the last row, which trimming the front leaves alone) and leaves
+# ``Sq <= Sk + right``. So ``torch_efficient`` runs a dense block on ``q[:, n:]`` only and fills
+# the rest itself (:func:`forward_skipping_keyless`), and splits every packed sequence into its
+# keyless head, given no keys, and the rest (:func:`split_keyless_sequences`): device arithmetic
+# on ``cu_seqlens``, so no host synchronisation. A row that sees no key gets no gradient and
+# gives none to k or v.
 
 
 def forward_skipping_keyless(kernel, q: Tensor, k: Tensor, v: Tensor, skip: int, **options):
@@ -620,3 +630,29 @@ def tokens_of_empty_partner(cu_own: Tensor, cu_other: Tensor, total_own: int) ->
     seq, _ = token_sequence_ids(cu_own, total_own)
     other_lens = cu_other[1:].long() - cu_other[:-1].long()
     return other_lens[seq] == 0
+
+
+def split_keyless_sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, right: int) -> tuple[Tensor, Tensor]:
+    """A packing in which every sequence's keyless leading query rows (Note [Keyless rows]) form
+    a sequence of their own with no keys.
+
+    Sequence ``s`` with ``lq`` queries and ``lk`` keys becomes two: ``a = clamp(lq - lk - right,
+    0, lq)`` queries with no keys, then ``lq - a`` queries with the ``lk`` keys (so ``lq - a <= lk
+    + right``). Tokens stay where they are; device arithmetic only (no synchronisation).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: ``(nseq + 1,)`` cumulative lengths from 0.
+        right: the kernel window's right side, ``>= 0`` (bounded).
+
+    Returns:
+        int32 ``(2 * nseq + 1,)`` ``(cu_seqlens_q, cu_seqlens_k)``; ``max_seqlen_q`` and
+        ``max_seqlen_k`` of the original packing still bound the new one.
+    """
+    lens_q = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
+    lens_k = cu_seqlens_k[1:].long() - cu_seqlens_k[:-1].long()
+    keyless = torch.minimum((lens_q - lens_k - right).clamp(min=0), lens_q)
+    split_q = torch.stack([keyless, lens_q - keyless], dim=1).flatten()
+    split_k = torch.stack([torch.zeros_like(lens_k), lens_k], dim=1).flatten()
+    zero = lens_q.new_zeros(1)
+    return (torch.cat([zero, split_q.cumsum(0)]).to(torch.int32),
+            torch.cat([zero, split_k.cumsum(0)]).to(torch.int32))

@@ -44,9 +44,6 @@ from .base import (
     KernelBackend,
     Packing,
     Window,
-    backward_skipping_keyless,
-    forward_skipping_keyless,
-    keyless_prefix,
     lse_for_backward,
     normalise_lse_,
     packed_lse_from_padded,
@@ -232,9 +229,6 @@ class FlashAttnBackend(KernelBackend):
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
-            return forward_skipping_keyless(self.kernel_forward, q, k, v, skip, scale=scale, window=window,
-                                            softcap=softcap)
         api, w = self._api(q.device, q.shape[-1], v.shape[-1])
         result = api.call(
             "fwd", q=pad_head_dim(q, width=w), k=pad_head_dim(k, width=w), v=pad_head_dim(v, width=w),
@@ -251,9 +245,6 @@ class FlashAttnBackend(KernelBackend):
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
         scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
-            return backward_skipping_keyless(self.kernel_backward, dout, q, k, v, out, lse, skip, scale=scale,
-                                             window=window, softcap=softcap)
         d = q.shape[-1]
         api, w = self._api(q.device, d, v.shape[-1])
         q_p, k_p, v_p = pad_head_dim(q, width=w), pad_head_dim(k, width=w), pad_head_dim(v, width=w)

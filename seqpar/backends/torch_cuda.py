@@ -28,10 +28,14 @@ memory-efficient kernel), which also runs fp32. Its quirks, from the PyTorch sou
   ``torch_flash`` (exact; it costs the padded columns' FLOPs). Using the native path is an
   optimisation to make once it is checked on a GPU.
 
+- blocks with more query rows than keys under a causal mask come back wrong (Note [Keyless
+  rows] in ``base.py``): a dense block runs without its keyless leading rows, and a packed call
+  gives every sequence's keyless head a sequence of its own with no keys.
+
 Neither kernel has a softcap: ``"auto"`` picks ``flash_attn`` (when installed) or ``reference``.
 
-Neither kernel could be run where this module was written (no GPU); ``tests/test_backends.py``
-checks both against the float64 reference when CUDA is present.
+``tests/test_backends.py`` checks both against the float64 reference when CUDA is present; they
+passed on an H200 with torch 2.11 (``scripts/gpu_check``, docs/performance.md "On a GPU").
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from .base import (
     pad_head_dim,
     padded_head_dim,
     padded_lse_from_packed,
+    split_keyless_sequences,
     tokens_of_empty_partner,
     unpad_head_dim,
 )
@@ -125,9 +130,6 @@ class TorchFlashBackend(KernelBackend):
     def kernel_forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: Window, softcap: float
     ) -> tuple[Tensor, Tensor]:
-        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
-            return forward_skipping_keyless(self.kernel_forward, q, k, v, skip, scale=scale, window=window,
-                                            softcap=softcap)
         sq, sk = q.shape[1], k.shape[1]
         w = _flash_width(q, v, self.name)
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
@@ -140,9 +142,6 @@ class TorchFlashBackend(KernelBackend):
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
         scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if skip := keyless_prefix(q.shape[1], k.shape[1], window):  # Note [Keyless rows]
-            return backward_skipping_keyless(self.kernel_backward, dout, q, k, v, out, lse, skip, scale=scale,
-                                             window=window, softcap=softcap)
         sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
         w = _flash_width(q, v, self.name)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -221,6 +220,15 @@ def _mask_type(window: Window) -> int:
     if window not in ((-1, -1), (-1, 0)):  # unsupported_reason refuses other windows before this
         raise ValueError(f"torch_efficient: window {window} is not supported (only none or causal)")
     return 0 if window == (-1, -1) else 2
+
+
+def _efficient_packing(packing: Packing, window: Window) -> tuple[Tensor, Tensor]:
+    """int32 ``(cu_seqlens_q, cu_seqlens_k)`` for the efficient kernel: under a causal mask each
+    sequence's keyless leading rows go to a sequence of their own (Note [Keyless rows])."""
+    cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+    if window == (-1, 0):
+        return split_keyless_sequences(cu_q, cu_k, 0)
+    return cu_q, cu_k
 
 
 def _aligned(n: int) -> int:
@@ -302,7 +310,7 @@ class TorchEfficientBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor]:
         total_q, h, _ = q.shape
         w = padded_head_dim(q.shape[-1], v.shape[-1])
-        cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+        cu_q, cu_k = _efficient_packing(packing, window)
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             pad_head_dim(q, width=w)[None], pad_head_dim(_repeat_kv(k, h), width=w)[None],
@@ -324,7 +332,7 @@ class TorchEfficientBackend(KernelBackend):
         total_q, h, d = q.shape
         total_k, hkv = k.shape[0], k.shape[1]
         w = padded_head_dim(d, v.shape[-1])
-        cu_q, cu_k = _cu(packing.cu_seqlens_q), _cu(packing.cu_seqlens_k)
+        cu_q, cu_k = _efficient_packing(packing, window)
         max_seqlen_q, max_seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
         lse_padded = padded_lse_from_packed(
             lse_for_backward(lse, torch.float32), cu_q, _aligned(max_seqlen_q)
