@@ -249,20 +249,20 @@ def _is_transformers(fn: object, qualname: str) -> bool:
 def _unwrap_packing(fn: Callable) -> tuple[Callable, Tensor | None]:
     """``(base, position_ids)`` if ``fn`` is transformers' packed-sequence wrapper of ``base``.
 
-    ``packed_sequence_compatibility_function(base, position_ids, runs)`` is ``and_masks(
-    packed_sequence_mask_function(runs), remap_positions_for_packed_sequence(base, position_ids))``;
-    anything else is returned as ``(fn, None)``.
+    The wrapper is ``and_masks`` of ``packed_sequence_mask_function(runs)`` and
+    ``remap_positions_for_packed_sequence(base, position_ids)``, in either order (transformers up
+    to 5.23 puts the runs first, 5.24 the remapped base first); anything else is returned as
+    ``(fn, None)``.
     """
     if not _is_transformers(fn, "and_masks.<locals>.and_mask"):
         return fn, None
     parts = _closure(fn).get("mask_functions")
-    if (
-        isinstance(parts, tuple)
-        and len(parts) == 2
-        and _is_transformers(parts[0], "packed_sequence_mask_function.<locals>.inner_mask")
-        and _is_transformers(parts[1], "remap_positions_for_packed_sequence.<locals>.inner_mask")
-    ):
-        inner = _closure(parts[1])
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return fn, None
+    runs = [p for p in parts if _is_transformers(p, "packed_sequence_mask_function.<locals>.inner_mask")]
+    remap = [p for p in parts if _is_transformers(p, "remap_positions_for_packed_sequence.<locals>.inner_mask")]
+    if len(runs) == 1 and len(remap) == 1:
+        inner = _closure(remap[0])
         if callable(inner.get("mask_function")) and isinstance(inner.get("position_ids"), Tensor):
             return inner["mask_function"], inner["position_ids"]
     return fn, None
@@ -759,12 +759,14 @@ def mask_function(
             )
         if position_ids is not None:
             _check_positions(position_ids, state)
-    if state.cp_size == 1:
-        grid = max(q_length, 2)  # two positions tell causal from bidirectional
-    else:
-        grid = max(state.cp_size * (q_length + 2), 2 * local_size + 2 if local_size else 0)
-    hint = int(local_size) if local_size else None
-    mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
+        if state.cp_size == 1:
+            grid = max(q_length, 2)  # two positions tell causal from bidirectional
+        else:
+            grid = max(state.cp_size * (q_length + 2), 2 * local_size + 2 if local_size else 0)
+        hint = int(local_size) if local_size else None
+        # A mask that cannot be recognised may be refused on some ranks only (whether transformers
+        # sees "packed" position ids depends on the shard): the refusal is shared.
+        mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
     return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "")
 
 
