@@ -60,6 +60,7 @@ NOT_RUN = {
     "python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 ... scripts/calibrate.py --out cost.json":
         "two nodes (the '...' stands for the rendezvous arguments of a cluster)",
     "bash scripts/gpu_check --out gpu_check_out": _GPU,
+    "bash scripts/gpu_check --quick --budget 7 --python python3 --out /tmp/gc": _GPU,
     "bash scripts/gpu_check --cpu-smoke --out /tmp/smoke": "runs in tests/test_one_rank.py::test_gpu_check_cpu_smoke",
     "python -m torch.distributed.run --standalone --nproc_per_node 4 scripts/train_lm.py --ring 2 --ulysses 2 "
     "--seq-len 1023 --steps 40 --check --plot lm_loss.png": "40 steps on 4 ranks (minutes); --check runs at small "

@@ -595,11 +595,20 @@ def test_packed_sequence_wrapper_unwrapped():
     base = mu.sliding_window_causal_mask_function(5)
     positions = torch.tensor([[0, 1, 2, 7, 8]])  # ring rank 0 of S = 9 over R = 2: jumps
     runs = mu.find_packed_sequence_indices(positions)
-    wrapped = mu.packed_sequence_compatibility_function(base, positions, runs)
-    got, got_positions = _unwrap_packing(wrapped)
-    assert got is base and got_positions is positions
+    remap = mu.remap_positions_for_packed_sequence(base, positions)
+    wrappers = [mu.and_masks(mu.packed_sequence_mask_function(runs), remap),  # transformers <= 5.23
+                mu.and_masks(remap, mu.packed_sequence_mask_function(runs))]  # 5.24
+    if hasattr(mu, "packed_sequence_compatibility_function"):  # the installed version's own helper
+        wrappers.append(mu.packed_sequence_compatibility_function(base, positions, runs))
+    for wrapped in wrappers:
+        got, got_positions = _unwrap_packing(wrapped)
+        assert got is base and got_positions is positions
     got, got_positions = _unwrap_packing(base)
     assert got is base and got_positions is None
+    # Not the packing wrapper: two remaps, or a third mask alongside.
+    for other in (mu.and_masks(remap, remap), mu.and_masks(remap, mu.packed_sequence_mask_function(runs), base)):
+        got, got_positions = _unwrap_packing(other)
+        assert got is other and got_positions is None
 
 
 def test_unrecognised_mask_functions_refused():
@@ -764,3 +773,22 @@ def test_hybrid_models_with_sequence_mixers_are_refused_on_every_rank(pools):
     for rank, out in enumerate(pools(2).run(_rank_hybrids, families)):
         for family in families:
             assert "mix tokens outside attention" in out[family], f"rank {rank}, {family}: {out[family]}"
+
+
+def test_kv_cache_refuses_transformers_with_the_renamed_cache_argument(monkeypatch):
+    """transformers 5.24 passes the cache as ``cache=``: SeqparCache and generate say so instead of
+    failing inside the model with a misleading placement error."""
+    import transformers
+
+    from seqpar.integrations import transformers as integration
+    from seqpar.integrations.transformers_cache import SeqparCache
+
+    for version in ("5.24.0", "5.30.1", "6.0.0.dev0"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        with pytest.raises(NotImplementedError, match=r"transformers<5\.24"):
+            SeqparCache(ParallelState(), 2)
+        with pytest.raises(NotImplementedError, match="renamed from `past_key_values`"):
+            integration.generate(torch.nn.Linear(1, 1), torch.zeros(1, 3, dtype=torch.long), ParallelState())
+    for version in ("5.23.0", "4.57.6", "5.9.0"):
+        monkeypatch.setattr(transformers, "__version__", version)
+        integration._require_cache_api("x")  # no error

@@ -861,6 +861,28 @@ def _prompt_fingerprints(input_ids: Tensor) -> list[int]:
     return [int(input_ids.shape[0]), int(input_ids.shape[-1]), fingerprint(input_ids)]
 
 
+# transformers 5.24 renamed the models' ``past_key_values`` argument to ``cache`` and prefills the
+# last prompt token in a call of its own; SeqparCache and generate are written against the older
+# calls (checked up to 5.23, the range the ``hf`` extra installs).
+_CACHE_API_UNTIL = (5, 24)
+
+
+def _require_cache_api(where: str) -> None:
+    """Refuse transformers releases whose cache calls seqpar's KV-cache integration does not know."""
+    import transformers
+
+    parts = []
+    for piece in transformers.__version__.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) >= _CACHE_API_UNTIL:
+        raise NotImplementedError(
+            f"{where}: transformers {transformers.__version__} passes the KV cache as `cache=` (renamed from "
+            "`past_key_values` in 5.24), which seqpar's sharded KV cache does not support yet; install "
+            "'transformers<5.24' (pip install -e \".[hf]\"), or prefill with seqpar.inference (docs/inference.md)"
+        )
+
+
 def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **generate_kwargs: Any) -> Any:
     """``model.generate`` over the CP ranks of ``state``, with the prompt's KV cache sharded over them.
 
@@ -896,6 +918,7 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
     from .transformers_guard import binding
 
     require_state(state, "seqpar.integrations.transformers.generate")
+    _require_cache_api("seqpar generate")
     refused = sorted(k for k in generate_kwargs if k in _GENERATE_REFUSED)
     if refused:
         raise NotImplementedError(

@@ -125,6 +125,9 @@ class SeqparCache(Cache):
 
     def __init__(self, state: ParallelState, num_layers: int, *, sharded_prefill: bool = True) -> None:
         require_state(state, "SeqparCache")
+        from .transformers import _require_cache_api
+
+        _require_cache_api("SeqparCache")
         self.kv = KVCache(state, num_layers)
         self.sharded_prefill = bool(sharded_prefill)
         super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])
