@@ -870,12 +870,9 @@ _CACHE_API_UNTIL = (5, 24)
 def _require_cache_api(where: str) -> None:
     """Refuse transformers releases whose cache calls seqpar's KV-cache integration does not know."""
     import transformers
+    from packaging.version import Version  # a requirement of transformers
 
-    parts = []
-    for piece in transformers.__version__.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    if tuple(parts) >= _CACHE_API_UNTIL:
+    if Version(transformers.__version__).release[:2] >= _CACHE_API_UNTIL:
         raise NotImplementedError(
             f"{where}: transformers {transformers.__version__} passes the KV cache as `cache=` (renamed from "
             "`past_key_values` in 5.24), which seqpar's sharded KV cache does not support yet; install "
