@@ -147,7 +147,16 @@ def keyless_prefix(sq: int, sk: int, window: Window) -> int:
 
 def forward_skipping_keyless(kernel, q: Tensor, k: Tensor, v: Tensor, skip: int, **options):
     """``kernel(q[:, skip:], k, v, **options)`` with the ``skip`` keyless leading rows filled
-    with ``out = 0, lse = -inf`` (Note [Keyless rows]). Returns ``(out, lse)`` of all rows."""
+    with ``out = 0, lse = -inf`` (Note [Keyless rows]).
+
+    Args:
+        kernel: a dense kernel forward (``KernelBackend.kernel_forward``).
+        q: ``(batch, Sq, nheads, headdim)``; k, v: ``(batch, Sk, nheads_kv, headdim / headdim_v)``.
+        skip: :func:`keyless_prefix` of the block, ``0 <= skip <= Sq``.
+
+    Returns:
+        ``out`` ``(batch, Sq, nheads, headdim_v)`` and ``lse`` ``(batch, nheads, Sq)`` of all rows.
+    """
     b, sq, h, _ = q.shape
     if skip >= sq:
         return empty_forward(q, (b, h, sq), v.shape[-1])
@@ -163,7 +172,12 @@ def backward_skipping_keyless(
     kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, skip: int, **options,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`forward_skipping_keyless`: the kernel sees the rows with keys, the
-    ``skip`` leading rows get ``dq = 0`` and add nothing to ``dk``/``dv``."""
+    ``skip`` leading rows get ``dq = 0`` and add nothing to ``dk``/``dv``.
+
+    Shapes as in :func:`forward_skipping_keyless` (``dout``, ``out`` like the output, ``lse``
+    ``(batch, nheads, Sq)``, possibly the merged results of many blocks). Returns ``dq, dk, dv``
+    shaped like ``q, k, v``.
+    """
     if skip >= q.shape[1]:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     rows = slice(skip, None)
