@@ -177,17 +177,13 @@ def test_bench_longest_fit_is_the_upper_envelope():
     it (a prediction from it errs on the side of fitting); exact points give the exact line."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_longest_fit", ROOT / "scripts" / "bench_longest.py")
+    spec = importlib.util.spec_from_file_location("bench_longest", ROOT / "scripts" / "bench_longest.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        points = [(1000, 5_000_000), (2000, 5_900_000), (3000, 7_300_000), (4000, 8_100_000)]
-        slope, intercept, residual = module._fit(points)
-        assert slope == pytest.approx(1070.0) and intercept == pytest.approx(3_900_000 + 190_000)
-        assert all(p <= intercept + slope * t + 1e-6 for t, p in points)
-        assert max(p - (intercept + slope * t) for t, p in points) == pytest.approx(0.0, abs=1e-6)
-        assert residual == pytest.approx(190_000.0)
-        assert module._fit([(1, 10), (3, 30)]) == pytest.approx((10.0, 0.0, 0.0), abs=1e-9)
-    finally:
-        del sys.modules[spec.name]
+    spec.loader.exec_module(module)
+    points = [(1000, 5_000_000), (2000, 5_900_000), (3000, 7_300_000), (4000, 8_100_000)]
+    slope, intercept, residual = module._fit(points)
+    assert slope == pytest.approx(1070.0) and intercept == pytest.approx(3_900_000 + 190_000)
+    assert all(p <= intercept + slope * t + 1e-6 for t, p in points)
+    assert max(p - (intercept + slope * t) for t, p in points) == pytest.approx(0.0, abs=1e-6)
+    assert residual == pytest.approx(190_000.0)
+    assert module._fit([(1, 10), (3, 30)]) == pytest.approx((10.0, 0.0, 0.0), abs=1e-9)
