@@ -35,6 +35,11 @@ What is measured, per case and side:
   refusing (with its message); an error above ``--tol`` is reported as WRONG. A side that fails
   the even check is not timed.
 
+seqpar runs twice in the Ulysses and hybrid cases: as constructed by default, and as
+``seqpar-keep`` (``ParallelState(keep_head_shards=True)``: the forward keeps the head-sharded q,
+k, v and output, so the backward sends only dout and the gradients, as the peers do); each is
+compared with every peer in the same interleaved rounds.
+
 Kernel shims (in this script only, never in seqpar): yunchang and ring-flash-attn call flash-attn
 (CUDA). Without it installed, a module ``flash_attn`` is provided for the ranks of this run whose
 ``flash_attn_func``, ``_flash_attn_forward`` and ``_flash_attn_backward`` call the CPU kernel above
@@ -110,9 +115,9 @@ class Case:
 CASES = {
     c.key: c
     for c in (
-        Case("u2", 1, 2, True, ("deepspeed", "yunchang")),
-        Case("u4", 1, 4, True, ("deepspeed", "yunchang")),
-        Case("h22", 2, 2, True, ("yunchang",)),
+        Case("u2", 1, 2, True, ("seqpar-keep", "deepspeed", "yunchang")),
+        Case("u4", 1, 4, True, ("seqpar-keep", "deepspeed", "yunchang")),
+        Case("h22", 2, 2, True, ("seqpar-keep", "yunchang")),
         Case("r4", 4, 1, True, ("yunchang", "ring-flash-attn", "torch-cp")),
         Case("u2-full", 1, 2, False, ("diffusers",)),
         Case("u4-full", 1, 4, False, ("diffusers",)),
@@ -122,6 +127,7 @@ CASES = {
 
 # peer -> (module that must be importable, how to install it)
 PEER_PACKAGES = {
+    "seqpar-keep": ("seqpar", "pip install -e ."),
     "deepspeed": ("deepspeed", "pip install deepspeed"),
     "yunchang": ("yunchang", "pip install --no-deps yunchang"),
     "ring-flash-attn": ("ring_flash_attn", "pip install --no-deps ring-flash-attn"),
@@ -326,12 +332,13 @@ class Side:
 
 class SeqparSide(Side):
     name = "seqpar"
+    keep_head_shards = False
 
     def __init__(self, case: Case, S: int, groups: Groups) -> None:
         import seqpar
 
         self._seqpar = seqpar
-        self.state = seqpar.ParallelState(case.ring, case.ulysses)
+        self.state = seqpar.ParallelState(case.ring, case.ulysses, keep_head_shards=self.keep_head_shards)
         super().__init__(case, S, groups)
 
     def placement(self) -> torch.Tensor:
@@ -342,6 +349,14 @@ class SeqparSide(Side):
 
     def close(self) -> None:
         self.state.close()
+
+
+class SeqparKeepSide(SeqparSide):
+    """seqpar with ``ParallelState(keep_head_shards=True)``: the Ulysses backward sends only dout
+    and the gradients (the peers' traffic), at the memory of the kept head shards."""
+
+    name = "seqpar-keep"
+    keep_head_shards = True
 
 
 class DeepSpeedSide(Side):
@@ -483,7 +498,8 @@ class DiffusersSide(Side):
 
 
 SIDES: dict[str, type[Side]] = {
-    cls.name: cls for cls in (SeqparSide, DeepSpeedSide, YunchangSide, RingFlashAttnSide, TorchCpSide, DiffusersSide)
+    cls.name: cls for cls in (SeqparSide, SeqparKeepSide, DeepSpeedSide, YunchangSide, RingFlashAttnSide, TorchCpSide,
+                              DiffusersSide)
 }
 
 
@@ -733,21 +749,30 @@ def main() -> None:
                                          "peak_bytes_max_rank": max(r[n]["peak"] for r in per_rank)}
                 entry["sides"]["seqpar"]["workspace_bytes_max_rank"] = max(r["seqpar"]["workspace"] for r in per_rank)
                 base = entry["sides"]["seqpar"]
+                keep = entry["sides"].get("seqpar-keep")
                 for n in timed[1:]:
                     side = entry["sides"][n]
                     side["time_seqpar_over_peer"] = base["median_s"] / side["median_s"]
                     side["memory_seqpar_over_peer"] = base["peak_bytes_max_rank"] / side["peak_bytes_max_rank"]
+                    if keep is not None and n != "seqpar-keep":
+                        side["time_seqpar_keep_over_peer"] = keep["median_s"] / side["median_s"]
+                        side["memory_seqpar_keep_over_peer"] = keep["peak_bytes_max_rank"] / side["peak_bytes_max_rank"]
 
     rows = []
     for e in results:
         for n, side in e["sides"].items():
             if n == "seqpar":
                 continue
-            rows.append([e["label"], n, f"{side['time_seqpar_over_peer']:.2f}", f"{side['memory_seqpar_over_peer']:.2f}",
-                         f"{e['sides']['seqpar']['median_s'] * 1e3:.0f}", f"{side['median_s'] * 1e3:.0f}",
-                         f"{e['sides']['seqpar']['peak_bytes_max_rank'] / 2**20:.1f}",
-                         f"{e['sides']['seqpar']['workspace_bytes_max_rank'] / 2**20:.1f}",
-                         f"{side['peak_bytes_max_rank'] / 2**20:.1f}"])
+            for mine, suffix in (("seqpar", ""), ("seqpar-keep", "_keep")):
+                if f"time_seqpar{suffix}_over_peer" not in side:
+                    continue
+                ours = e["sides"][mine]
+                rows.append([e["label"], f"{mine} / {n}", f"{side[f'time_seqpar{suffix}_over_peer']:.2f}",
+                             f"{side[f'memory_seqpar{suffix}_over_peer']:.2f}",
+                             f"{ours['median_s'] * 1e3:.0f}", f"{side['median_s'] * 1e3:.0f}",
+                             f"{ours['peak_bytes_max_rank'] / 2**20:.1f}",
+                             f"{e['sides']['seqpar']['workspace_bytes_max_rank'] / 2**20:.1f}",
+                             f"{side['peak_bytes_max_rank'] / 2**20:.1f}"])
     check_rows = []
     for e in results:
         for shape_label, verdicts in e["exactness"].items():
@@ -759,8 +784,8 @@ def main() -> None:
         text += (f"time and memory, seqpar / peer (< 1: seqpar faster / smaller); S={args.seq_len} H={args.heads} "
                  f"Hkv={args.kv_heads} D={args.head_dim} {args.dtype}, fwd+bwd, {args.world} ranks, median of "
                  f"{args.rounds} interleaved rounds\n"
-                 + table(["case", "peer", "time ratio", "memory ratio", "seqpar ms", "peer ms", "seqpar MiB",
-                          "of which workspace", "peer MiB"], rows) + "\n\n")
+                 + table(["case", "ours / peer", "time ratio", "memory ratio", "ours ms", "peer ms", "ours MiB",
+                          "seqpar workspace", "peer MiB"], rows) + "\n\n")
     text += (f"exactness: max abs error of out, dq, dk, dv ({args.check_dtype}) vs one-device float64, "
              f"S={args.check_seq_len} "
              f"H=8 D=16 unless stated\n"

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .backends import AttentionBackend
 from .placement.masks import MaskSlices
 from .comm import refuse_double_backward
-from .parallel.hybrid import hybrid_backward, hybrid_forward
+from .parallel.hybrid import hybrid_backward, hybrid_forward, keeps_token_shards
 from .prepare import (
     Layout,
     PreparedCall,
@@ -50,20 +50,25 @@ __all__ = [
 
 class _Attention(torch.autograd.Function):
     """The eager autograd function of every call: :func:`hybrid_forward` forward, its backward
-    backward. Saves the shard's q, k, v, sinks, out and the LSEs (Note [Ulysses memory])."""
+    backward. Saves the shard's q, k, v, sinks, out and the LSEs, or with ``keep_head_shards``
+    the Ulysses head shards instead of q, k, v, out (Note [Ulysses memory])."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall) -> Tensor:
-        out, lse_body, lse_replicated = hybrid_forward(call.setup, q, k, v, sinks)
-        ctx.save_for_backward(q, k, v, sinks, out, lse_body, lse_replicated)
+        out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, q, k, v, sinks)
+        tokens = (q, k, v, out) if keeps_token_shards(call.setup) else (None,) * 4
+        ctx.save_for_backward(*tokens, sinks, lse_body, lse_replicated, *heads)
+        ctx.shapes = (q.shape, k.shape, v.shape)
         ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
-        q, k, v, sinks, out, lse_body, lse_replicated = ctx.saved_tensors
-        grads = hybrid_backward(ctx.call.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated)
+        q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
+        grads = hybrid_backward(
+            ctx.call.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads), ctx.shapes
+        )
         # No gradient for call.
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
 

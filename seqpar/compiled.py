@@ -31,6 +31,8 @@ the caller's layout. Double backward is not supported (as in eager).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch
@@ -68,6 +70,40 @@ def _out_fake(q: Tensor, v: Tensor) -> Tensor:
     """The output of a call on ``q``: q's shape with v's head dim ``Dv`` last (the head dim is
     the last dim in every layout and in packed ``[T, H, D]`` tensors)."""
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _heads_fake(q: Tensor, k: Tensor, v: Tensor, keep: bool, packed: bool) -> tuple[Tensor, ...]:
+    """The Ulysses head shards ``(q_u, k_u, v_u, out_u)`` a forward keeps (``[B, L, heads, D |
+    Dv]``, ``B = 1`` when ``packed``, ``L`` and the head counts set by the other ranks), or four
+    empty tensors."""
+    if not keep:
+        return tuple(q.new_empty(0) for _ in range(4))
+    ctx = torch.library.get_ctx()
+    B = 1 if packed else q.shape[0]
+    L, h, hkv = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    D, Dv = q.shape[-1], v.shape[-1]
+    return q.new_empty((B, L, h, D)), q.new_empty((B, L, hkv, D)), q.new_empty((B, L, hkv, Dv)), q.new_empty((B, L, h, Dv))
+
+
+def _keep_heads(call: PreparedCall, keep: bool) -> PreparedCall:
+    """``call`` with its Ulysses setup's ``keep_head_shards`` as the compiled graph was traced
+    with (``keep``), whatever the state says now."""
+    uly = call.setup.ulysses
+    if uly is None or uly.keep_head_shards == keep:
+        return call
+    setup = dataclasses.replace(call.setup, ulysses=dataclasses.replace(uly, keep_head_shards=keep))
+    return dataclasses.replace(call, setup=setup)
+
+
+def _kept(heads: tuple[Tensor, ...], like: Tensor) -> tuple[Tensor, ...]:
+    """The head shards as operator outputs (contiguous, like the fake ones), or four empty tensors."""
+    return tuple(h.contiguous() for h in heads) if heads else tuple(like.new_empty(0) for _ in range(4))
+
+
+def _stand_in(like: Tensor, shape: list[int]) -> Tensor:
+    """A ``shape`` tensor of ``like``'s dtype and device with no storage of its size (stride 0):
+    the shape of an input the forward did not keep, for the backward's rebuilt call."""
+    return like.new_empty((1,) * len(shape)).expand(shape)
 
 
 def _meta(call: PreparedCall) -> Tensor:
@@ -114,62 +150,77 @@ def _rebuild(
 def _attention_op(
     q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], alibi: Optional[Tensor], handle: str, layout: str,
     causal: bool, window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float],
-    seq_len: Optional[int], backend: str, prefix: int, suffix: int, slices: list[int],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    seq_len: Optional[int], backend: str, prefix: int, suffix: int, slices: list[int], keep: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     options = check_dense_options(
         causal=causal, softmax_scale=scale, layout=layout, seq_len=seq_len, window=tuple(window), softcap=softcap,
         chunk_size=chunk_size, replicated_prefix=prefix, replicated_suffix=suffix, mask=_slices_from(slices),
     )
     call = prepare_dense(q, k, v, state_from_handle(handle), options, backend, sinks, alibi_slopes=alibi)
-    out, lse_body, lse_replicated = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
-    return to_bshd(out, layout).contiguous(), lse_body, lse_replicated, _meta(call)
+    call = _keep_heads(call, keep)
+    out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
+    return to_bshd(out, layout).contiguous(), lse_body, lse_replicated, _meta(call), *_kept(heads, q)
 
 
 @_attention_op.register_fake
 def _(q, k, v, sinks, alibi, handle, layout, causal, window, chunk_size, softcap, scale, seq_len, backend, prefix, suffix,
-      slices):
+      slices, keep):
     B, H = to_bshd(q, layout).shape[0], to_bshd(q, layout).shape[2]
     lse_replicated = q.new_empty((B, H, prefix + suffix), dtype=accumulator_dtype(q.dtype))
     meta = torch.empty(2 + state_from_handle(handle).cp_size, dtype=torch.long, device="cpu")
-    return _out_fake(q, v), _lse_fake(q), lse_replicated, meta
+    return _out_fake(q, v), _lse_fake(q), lse_replicated, meta, *_heads_fake(q, k, v, keep, False)
 
 
 @torch.library.custom_op("seqpar::attention_backward", mutates_args=())
 def _attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], alibi: Optional[Tensor], out: Tensor,
-    lse_body: Tensor, lse_replicated: Tensor, meta: Tensor, handle: str, layout: str, causal: bool,
-    window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int],
-    backend: str, prefix: int, suffix: int, slices: list[int],
+    dout: Tensor, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], sinks: Optional[Tensor],
+    alibi: Optional[Tensor], out: Optional[Tensor], lse_body: Tensor, lse_replicated: Tensor, meta: Tensor,
+    heads: list[Tensor], shapes: list[int], handle: str, layout: str, causal: bool, window: list[int],
+    chunk_size: Optional[int], softcap: float, scale: Optional[float], seq_len: Optional[int], backend: str,
+    prefix: int, suffix: int, slices: list[int], keep: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # keep: q, k, v, out were not kept (the head shards were); ``shapes`` are q's, k's, v's.
     m = meta.tolist()
-    qb, kb, vb = (to_bshd(t, layout) for t in (q, k, v))
+    given = (q, k, v) if not keep else [_stand_in(dout, shapes[i:i + 4]) for i in (0, 4, 8)]
+    qb, kb, vb = (to_bshd(t, layout) for t in given)
     call = _rebuild(qb, kb, vb, state_from_handle(handle), (m[0],), tuple(m[2:]) if m[1] else None, causal, window,
                     chunk_size, softcap, scale, backend, prefix, suffix, slices, alibi)
-    dq, dk, dv, dsinks = hybrid_backward(
-        call.setup, to_bshd(dout, layout), qb, kb, vb, sinks, to_bshd(out, layout), lse_body, lse_replicated
-    )
+    call = _keep_heads(call, keep)
+    if keep:
+        dq, dk, dv, dsinks = hybrid_backward(
+            call.setup, to_bshd(dout, layout), None, None, None, sinks, None, lse_body, lse_replicated,
+            tuple(heads), (qb.shape, kb.shape, vb.shape),
+        )
+    else:
+        dq, dk, dv, dsinks = hybrid_backward(
+            call.setup, to_bshd(dout, layout), qb, kb, vb, sinks, to_bshd(out, layout), lse_body, lse_replicated
+        )
     grads = [to_bshd(g, layout).contiguous() for g in (dq, dk, dv)]
-    return (*grads, dsinks if dsinks is not None else q.new_zeros(0))
+    return (*grads, dsinks if dsinks is not None else dout.new_zeros(0))
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta, *options):
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_zeros(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+def _(dout, q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta, heads, shapes, *options):
+    dsinks = torch.empty_like(sinks) if sinks is not None else dout.new_zeros(0)
+    return tuple(dout.new_empty(shapes[i:i + 4]) for i in (0, 4, 8)) + (dsinks,)
 
 
 def _setup_attention(ctx, inputs, output) -> None:
     q, k, v, sinks, alibi, *options = inputs
-    out, lse_body, lse_replicated, meta = output
-    ctx.save_for_backward(q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta)
+    out, lse_body, lse_replicated, meta, *heads = output
+    keep = options[-1]
+    tokens = (None,) * 4 if keep else (q, k, v, out)
+    ctx.save_for_backward(*tokens, sinks, alibi, lse_body, lse_replicated, meta, *(heads if keep else ()))
+    ctx.shapes = [*q.shape, *k.shape, *v.shape]
     ctx.options = options
-    ctx.mark_non_differentiable(lse_body, lse_replicated, meta)
+    ctx.mark_non_differentiable(lse_body, lse_replicated, meta, *heads)
 
 
 def _attention_grad(ctx, dout, *_):
-    q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta = ctx.saved_tensors
+    q, k, v, out, sinks, alibi, lse_body, lse_replicated, meta, *heads = ctx.saved_tensors
     dq, dk, dv, dsinks = _attention_backward_op(
-        dout.contiguous(), q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta, *ctx.options
+        dout.contiguous(), q, k, v, sinks, alibi, out, lse_body, lse_replicated, meta, heads, ctx.shapes,
+        *ctx.options
     )
     # No gradient for the ALiBi slopes (constants, docs/masks.md) nor for the options.
     return (dq, dk, dv, dsinks if sinks is not None else None, None, *([None] * len(ctx.options)))
@@ -184,54 +235,68 @@ _attention_op.register_autograd(_attention_grad, setup_context=_setup_attention)
 @torch.library.custom_op("seqpar::varlen_attention", mutates_args=())
 def _varlen_op(
     q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], seq_lens: Tensor, handle: str, causal: bool,
-    window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str,
-) -> tuple[Tensor, Tensor]:
+    window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str, keep: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     call = prepare_varlen(
         q, k, v, state_from_handle(handle), seq_lens, causal=causal, softmax_scale=scale, backend=backend,
         window=tuple(window), softcap=softcap, sinks=sinks, chunk_size=chunk_size,
     )
-    out, lse, _ = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
-    return out[0].contiguous(), lse
+    call = _keep_heads(call, keep)
+    out, lse, _, heads = hybrid_forward(call.setup, call.qb, call.kb, call.vb, sinks)
+    return out[0].contiguous(), lse, *_kept(heads, q)
 
 
 @_varlen_op.register_fake
-def _(q, k, v, sinks, seq_lens, handle, causal, window, chunk_size, softcap, scale, backend):
-    return _out_fake(q, v), _lse_fake(q[None])
+def _(q, k, v, sinks, seq_lens, handle, causal, window, chunk_size, softcap, scale, backend, keep):
+    return _out_fake(q, v), _lse_fake(q[None]), *_heads_fake(q, k, v, keep, True)
 
 
 @torch.library.custom_op("seqpar::varlen_attention_backward", mutates_args=())
 def _varlen_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], out: Tensor, lse: Tensor,
-    seq_lens: Tensor, handle: str, causal: bool, window: list[int], chunk_size: Optional[int], softcap: float,
-    scale: Optional[float], backend: str,
+    dout: Tensor, q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], sinks: Optional[Tensor],
+    out: Optional[Tensor], lse: Tensor, seq_lens: Tensor, heads: list[Tensor], shapes: list[int], handle: str,
+    causal: bool, window: list[int], chunk_size: Optional[int], softcap: float, scale: Optional[float], backend: str,
+    keep: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    call = _rebuild(q[None], k[None], v[None], state_from_handle(handle), tuple(seq_lens.tolist()), None, causal, window,
-                    chunk_size, softcap, scale, backend)
-    empty = lse.new_empty((1, q.shape[1], 0))
-    dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], call.qb, call.kb, call.vb, sinks, out[None], lse,
-                                         empty)
+    # keep: as in seqpar::attention_backward; ``shapes`` are q's, k's, v's ([T, heads, dim] each).
+    given = (q, k, v) if not keep else [_stand_in(dout, shapes[i:i + 3]) for i in (0, 3, 6)]
+    call = _rebuild(*(t[None] for t in given), state_from_handle(handle), tuple(seq_lens.tolist()), None, causal,
+                    window, chunk_size, softcap, scale, backend)
+    call = _keep_heads(call, keep)
+    empty = lse.new_empty((1, dout.shape[1], 0))
+    if keep:
+        dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], None, None, None, sinks, None, lse, empty,
+                                             tuple(heads), (call.qb.shape, call.kb.shape, call.vb.shape))
+    else:
+        dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], call.qb, call.kb, call.vb, sinks, out[None],
+                                             lse, empty)
     return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous(), (
-        dsinks if dsinks is not None else q.new_zeros(0)
+        dsinks if dsinks is not None else dout.new_zeros(0)
     )
 
 
 @_varlen_backward_op.register_fake
-def _(dout, q, k, v, sinks, out, lse, seq_lens, *options):
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_zeros(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+def _(dout, q, k, v, sinks, out, lse, seq_lens, heads, shapes, *options):
+    dsinks = torch.empty_like(sinks) if sinks is not None else dout.new_zeros(0)
+    return tuple(dout.new_empty(shapes[i:i + 3]) for i in (0, 3, 6)) + (dsinks,)
 
 
 def _setup_varlen(ctx, inputs, output) -> None:
     q, k, v, sinks, seq_lens, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, sinks, out, lse, seq_lens)
+    out, lse, *heads = output
+    keep = options[-1]
+    tokens = (None,) * 4 if keep else (q, k, v, out)
+    ctx.save_for_backward(*tokens, sinks, lse, seq_lens, *(heads if keep else ()))
+    ctx.shapes = [*q.shape, *k.shape, *v.shape]
     ctx.options = options
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, *heads)
 
 
-def _varlen_grad(ctx, dout, _):
-    q, k, v, sinks, out, lse, seq_lens = ctx.saved_tensors
-    dq, dk, dv, dsinks = _varlen_backward_op(dout.contiguous(), q, k, v, sinks, out, lse, seq_lens, *ctx.options)
+def _varlen_grad(ctx, dout, *_):
+    q, k, v, out, sinks, lse, seq_lens, *heads = ctx.saved_tensors
+    dq, dk, dv, dsinks = _varlen_backward_op(
+        dout.contiguous(), q, k, v, sinks, out, lse, seq_lens, heads, ctx.shapes, *ctx.options
+    )
     return (dq, dk, dv, dsinks if sinks is not None else None, None, *([None] * len(ctx.options)))
 
 
@@ -257,10 +322,11 @@ def compiled_attention(
         causal=causal, softmax_scale=softmax_scale, layout=layout, seq_len=seq_len, window=window, softcap=softcap,
         chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
     )
-    out, _, _, _ = _attention_op(
+    keep = state.keep_head_shards and state.ulysses_size > 1 and not (o.prefix or o.suffix)
+    out, *_ = _attention_op(
         q, k, v, sinks, alibi_slopes, state.handle, o.layout, o.causal, list(o.window), o.chunk_size, o.softcap,
         o.softmax_scale, o.seq_len, backend_name(backend, "seqpar.attention"), o.prefix, o.suffix,
-        _slices_arg(o.slices),
+        _slices_arg(o.slices), keep,
     )
     return out
 
@@ -281,8 +347,9 @@ def compiled_varlen_attention(
     check_scale(softmax_scale, where)
     lens = seq_lens if isinstance(seq_lens, Tensor) else torch.tensor(list(check_seq_lens(seq_lens, where)),
                                                                        dtype=torch.long)
-    out, _ = _varlen_op(
+    out, *_ = _varlen_op(
         q, k, v, sinks, lens, state.handle, causal, list(window), chunk_size, softcap,
         None if softmax_scale is None else float(softmax_scale), backend_name(backend, where),
+        state.keep_head_shards and state.ulysses_size > 1,
     )
     return out

@@ -222,7 +222,8 @@ def build_call(
     ulysses = None
     if U > 1:
         ulysses = UlyssesSetup.build(
-            state.ulysses_group, placement.ulysses_sizes(state.ring_rank), qb.shape[2], kb.shape[2], state.workspace
+            state.ulysses_group, placement.ulysses_sizes(state.ring_rank), qb.shape[2], kb.shape[2], state.workspace,
+            state.keep_head_shards,
         )
     replicated = ReplicatedSetup(state.cp_group, backend, scale, softcap) if prefix or suffix else None
     return PreparedCall(qb, kb, vb, state, HybridSetup(ring, ulysses, replicated, prefix, suffix), seq_lens, free)

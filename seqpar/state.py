@@ -175,12 +175,20 @@ class ParallelState:
             kernels; ``"allgather"``, one all-gather of every row some rank's plan reads (Llama 3
             style: fewer, larger transfers, all of the group's needed K/V held at once) and a
             reduce-scatter of dK/dV in the backward. Same plans, masks and results.
+        keep_head_shards: with ``ulysses_size > 1``, whether the forward keeps the head-sharded
+            q, k, v and output for the backward (Note [Ulysses memory] in
+            ``seqpar.parallel.ulysses``). ``False`` (default): only the token shards are kept and
+            the backward sends q, k, v and out again (12 shard transfers per call, the least
+            memory); ``True``: the backward sends only dout and the gradients (8 transfers, the
+            traffic of DeepSpeed's and yunchang's Ulysses) at the memory of the kept head shards
+            (``docs/performance.md``, ``seqpar.plan``). Same results; no effect with ``U == 1``.
 
     Attributes:
         ring_size, ring_rank, ring_group, ulysses_size, ulysses_rank, ulysses_group,
         cp_size, cp_rank, cp_group, dp_size, dp_rank, dp_group. Groups are ``None`` only in a
         process with no process group (then every size is 1 and every rank 0).
         ring_comm: ``"p2p"`` or ``"allgather"``, as given.
+        keep_head_shards: as given; may be set between calls.
         workspace: where attention calls on this state take their transfer and staging buffers
             (Note [Workspace] in ``seqpar.comm.workspace``): by default fresh per call, nothing
             kept between calls; ``state.workspace = seqpar.comm.Workspace(keep=True)`` keeps one
@@ -192,8 +200,8 @@ class ParallelState:
     Raises:
         ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
             divide the parent group's size, if sizes > 1 are asked for without a process group,
-            if this process is not a member of ``group``, or if ``ring_comm`` is not one of
-            ``"p2p"``, ``"allgather"``.
+            if this process is not a member of ``group``, if ``ring_comm`` is not one of
+            ``"p2p"``, ``"allgather"``, or if ``keep_head_shards`` is not a bool.
 
     Every rank of the parent group must construct the state with the same arguments (it creates
     process groups). Example: 8 ranks, ``ParallelState(ring_size=2, ulysses_size=2)`` gives
@@ -220,6 +228,7 @@ class ParallelState:
     checks: Checks = "auto"
     timeout: timedelta | None = None
     ring_comm: RingComm = "p2p"
+    keep_head_shards: bool = False
 
     def __init__(
         self,
@@ -230,8 +239,9 @@ class ParallelState:
         timeout: timedelta | None = None,
         checks: Checks = "auto",
         ring_comm: RingComm = "p2p",
+        keep_head_shards: bool = False,
     ) -> None:
-        self._begin(checks, "ParallelState", ring_comm)
+        self._begin(checks, "ParallelState", ring_comm, keep_head_shards)
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"ParallelState: timeout must be a datetime.timedelta or None, got {timeout!r}")
         ring_size = _check_size("ring_size", ring_size)
@@ -327,6 +337,7 @@ class ParallelState:
         ulysses: str | None = "ulysses",
         checks: Checks = "auto",
         ring_comm: RingComm = "p2p",
+        keep_head_shards: bool = False,
     ) -> ParallelState:
         """The state whose groups are the process groups of a ``torch`` ``DeviceMesh`` (collective).
 
@@ -358,7 +369,7 @@ class ParallelState:
             cp: name of a single context-parallel axis, run as a ring.
             ring: name of the ring axis of a hybrid mesh.
             ulysses: name of the Ulysses axis of a hybrid mesh.
-            checks, ring_comm: as for :class:`ParallelState`.
+            checks, ring_comm, keep_head_shards: as for :class:`ParallelState`.
 
         Returns:
             A :class:`ParallelState` with the same rank layout as ``ParallelState(R, U,
@@ -385,7 +396,7 @@ class ParallelState:
                 f"{mesh.mesh.tolist()}; build the state only on the mesh's ranks"
             )
         state = cls.__new__(cls)
-        state._begin(checks, where, ring_comm)
+        state._begin(checks, where, ring_comm, keep_head_shards)
         size = {role: mesh.size(axis) for role, axis in roles.items()}
         rank = {role: coordinate[axis] for role, axis in roles.items()}
         ring_size, ulysses_size, dp_size = size.get("ring", 1), size.get("ulysses", 1), size.get("dp", 1)
@@ -453,8 +464,15 @@ class ParallelState:
             groups, shape, axes = [self.dp_group, self.cp_group], (self.dp_size, self.cp_size), ("dp", "cp")
         return DeviceMesh.from_group(groups, device_type, mesh=ranks.reshape(shape), mesh_dim_names=axes)
 
-    def _begin(self, checks: object, where: str, ring_comm: object = "p2p") -> None:
-        """Bookkeeping shared by every constructor: workspace, handle, ``checks``, ``ring_comm``."""
+    def _begin(self, checks: object, where: str, ring_comm: object = "p2p", keep_head_shards: object = False) -> None:
+        """Bookkeeping shared by every constructor: workspace, handle, ``checks``, ``ring_comm``,
+        ``keep_head_shards``."""
+        if not isinstance(keep_head_shards, bool):
+            raise ValueError(
+                f"{where}: keep_head_shards must be True or False, got {keep_head_shards!r} (True keeps the "
+                "Ulysses head shards for the backward instead of sending q, k, v, out again)"
+            )
+        self.keep_head_shards = keep_head_shards
         if not isinstance(ring_comm, str) or ring_comm not in _RING_COMMS:
             raise ValueError(
                 f"{where}: ring_comm must be one of {list(_RING_COMMS)}, got {ring_comm!r} "

@@ -71,6 +71,32 @@ def test_offload_moves_the_checkpoints_to_the_host():
     assert (limited.longest_local_tokens, limited.limited_by) == (1000, "host")
 
 
+def test_keep_head_shards_in_the_memory_model():
+    m = ModelShape.llama3_8b()  # H = 32, Hkv = 8, D = 128, bf16
+    kw = dict(ring=1, ulysses=8, device_bytes=80 * 10**9, tiled_mlp_chunks=16, calibration=UNIT)
+    on, off = longest_context(m, keep_head_shards=True, **kw), longest_context(m, **kw)
+    # Checkpointed: the recomputed layer holds no token-sharded q, k, v (2 bytes x (32 + 2 * 8) x 128).
+    key = "one layer's working set (x layer_factor)"
+    assert off.per_token[key] - on.per_token[key] == 2 * (32 + 16) * 128
+    assert on.options["keep_head_shards"] and on.longest_tokens > off.longest_tokens
+    # Not checkpointed, Hkv = 8 = U (no K/V head sent twice): every layer saves out and the head
+    # shards q_u, k_u, v_u, out_u instead of q, k, v, out: one more output per layer.
+    saved = "saved activations, every layer"
+    on, off = (longest_context(m, checkpointing=False, keep_head_shards=keep, **kw) for keep in (True, False))
+    assert on.per_token[saved] - off.per_token[saved] == 32 * 2 * 32 * 128
+    # Hkv = 2 < U = 8: every K/V head goes to 4 ranks, so k_u and v_u hold U = 8 heads' worth per
+    # local token (one each on every rank) against the shard's 2: out plus 2 x (8 - 2) heads more.
+    gqa = ModelShape.llama3_8b(kv_heads=2)
+    on, off = (longest_context(gqa, checkpointing=False, keep_head_shards=keep, **kw) for keep in (True, False))
+    assert on.per_token[saved] - off.per_token[saved] == 32 * 2 * (32 + 2 * (8 - 2)) * 128
+    # U == 1: nothing to keep.
+    ring = dict(kw, ring=8, ulysses=1)
+    assert longest_context(m, keep_head_shards=True, **ring).bytes_per_token_per_rank == (
+        longest_context(m, **ring).bytes_per_token_per_rank)
+    with pytest.raises(ValueError, match="keep_head_shards must be True or False"):
+        longest_context(m, keep_head_shards="no", **kw)
+
+
 def test_monotone_in_its_inputs():
     m = ModelShape.llama3_8b()
 

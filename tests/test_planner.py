@@ -6,6 +6,7 @@ run.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -79,6 +80,24 @@ def test_ulysses_bytes_closed_form():
         U = c.ulysses_size
         want = S // 4 * D * e * (U - 1) // U * 6 * (H + Hkv)
         assert c.ulysses_bytes == want, (c.label(), c.ulysses_bytes, want)
+
+
+def test_ulysses_bytes_with_head_shards_kept():
+    """keep_head_shards: the backward sends dout instead of q, k, v, out, dout (4H + 4Hkv, not 6H + 6Hkv)."""
+    S, H, Hkv, D, e = 4096, 8, 4, 64, 2  # GQA, no K/V head sent to two ranks
+    shape = dict(seq_len=S, num_heads=H, num_kv_heads=Hkv, head_dim=D, dtype=torch.bfloat16)
+    p, default = _plan(4, **shape, keep_head_shards=True), _plan(4, **shape)
+    for c, d in zip(p.candidates, default.candidates):
+        U = c.ulysses_size
+        assert c.keep_head_shards == (U > 1) and ("head shards kept" in c.label()) == (U > 1)
+        assert c.ulysses_bytes == S // 4 * D * e * (U - 1) // U * (4 * H + 4 * Hkv), c.label()
+        if U > 1:  # less traffic and time; the shard's q, k, v no longer held
+            assert c.parts["all-to-all"] < d.parts["all-to-all"] and c.time_s < d.time_s
+            assert d.memory_bytes - c.memory_bytes == S // U // c.ring_size * (H + 2 * Hkv) * D * e, c.label()
+        else:
+            assert (c.time_s, c.memory_bytes) == (d.time_s, d.memory_bytes)
+    with pytest.raises(ValueError, match="keep_head_shards must be True or False"):
+        _plan(4, **shape, keep_head_shards=1)
 
 
 def test_window_shrinks_ring_traffic_not_ulysses():
@@ -192,19 +211,24 @@ def _states_and_memory(shapes):
     from seqpar.tools.profiling import StorageTracker
 
     out = []
-    for S, H, Hkv, D, causal, window in shapes:
+    for (S, H, Hkv, D, causal, window), keep in itertools.product(shapes, (False, True)):
         p = plan(4, seq_len=S, num_heads=H, num_kv_heads=Hkv, head_dim=D, causal=causal, window=window,
-                 dtype=torch.float32, ranks_per_node=4, cost=CPU)
+                 dtype=torch.float32, ranks_per_node=4, cost=CPU, keep_head_shards=keep)
         state = p.state()
         assert (state.ring_size, state.ulysses_size) == (p.ring_size, p.ulysses_size)
+        assert state.keep_head_shards == p.chosen.keep_head_shards
         for c in p.candidates:
-            st = seqpar.ParallelState(c.ring_size, c.ulysses_size, ring_comm=c.ring_comm)
+            st = seqpar.ParallelState(c.ring_size, c.ulysses_size, ring_comm=c.ring_comm,
+                                      keep_head_shards=c.keep_head_shards)
             g = torch.Generator().manual_seed(0)
             q, k, v, dout = (seqpar.shard(torch.randn(1, S, h, D, generator=g), st).contiguous() for h in (H, Hkv, Hkv, H))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             with StorageTracker() as mem:
                 seqpar.attention(q, k, v, st, causal=causal, window=window, seq_len=S).backward(dout)
-            inputs = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
+            # The layer's q, k, v are held unless the head shards replace them (in a model nothing
+            # else keeps them; here the test does, outside the tracker).
+            held = (dout,) if c.keep_head_shards else (q, k, v, dout)
+            inputs = sum(t.numel() * t.element_size() for t in held)
             out.append((c.label(), c.memory_bytes, mem.peak + inputs))
     return out
 

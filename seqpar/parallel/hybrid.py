@@ -39,7 +39,7 @@ from .replicated import ReplicatedSetup, replicated_backward, replicated_forward
 from .ring import RingSetup
 from .ulysses import UlyssesSetup, ulysses_ring_backward, ulysses_ring_forward
 
-__all__ = ["HybridSetup", "hybrid_forward", "hybrid_backward"]
+__all__ = ["HybridSetup", "hybrid_forward", "hybrid_backward", "keeps_token_shards"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,16 +62,24 @@ class HybridSetup:
     suffix: int = 0
 
 
-def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple[Tensor, Tensor]:
+def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     if setup.ulysses is None:
-        return kv_forward(q, k, v, sinks, extra_k, extra_v, setup.ring)
+        return (*kv_forward(q, k, v, sinks, extra_k, extra_v, setup.ring), ())
     return ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ulysses, setup.ring)
 
 
-def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse):
+def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse, heads=(), shapes=()):
     if setup.ulysses is None:
         return kv_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
-    return ulysses_ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring)
+    return ulysses_ring_backward(
+        dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes
+    )
+
+
+def keeps_token_shards(setup: HybridSetup) -> bool:
+    """Whether the backward needs the token shards ``q, k, v, out`` (saved by the caller): always,
+    except under Ulysses with ``keep_head_shards`` and no replicated rows (Note [Ulysses memory])."""
+    return setup.ulysses is None or not setup.ulysses.keep_head_shards or setup.replicated is not None
 
 
 def _replicated_rows(x: Tensor, prefix: int, suffix: int) -> Tensor:
@@ -84,7 +92,9 @@ def _with_replicated(rows: Tensor, body: Tensor, prefix: int) -> Tensor:
     return torch.cat([rows[:, :prefix], body, rows[:, prefix:]], 1)
 
 
-def hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, ...]:
+def hybrid_forward(
+    setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
     """One call's forward (see :func:`_hybrid_forward`), its transfer buffers in one workspace
     scope (Note [Workspace])."""
     with _scope(setup):
@@ -92,13 +102,14 @@ def hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: T
 
 
 def hybrid_backward(
-    setup: HybridSetup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, out: Tensor,
-    lse_body: Tensor, lse_replicated: Tensor,
+    setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
+    out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...] = (),
+    shapes: tuple[torch.Size, ...] = (),
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward (see :func:`_hybrid_backward`), its transfer buffers in one workspace
     scope (Note [Workspace])."""
     with _scope(setup):
-        return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated)
+        return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes)
 
 
 def _scope(setup: HybridSetup):
@@ -117,28 +128,32 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
         sinks: ``(nheads,)`` sink logits or None.
 
     Returns:
-        ``(out, lse_body, lse_replicated)``: ``out`` ``(batch, S_local, nheads, headdim_v)`` in q's
-        dtype; ``lse_body`` the shard's log-sum-exp (``(batch, H_mine, S_ring_local)`` under
-        Ulysses, ``(batch, nheads, S_local)`` without), ``lse_replicated`` ``(batch, nheads,
-        prefix + suffix)``, both in the accumulator dtype; the three are what
-        :func:`hybrid_backward` needs besides the inputs.
+        ``(out, lse_body, lse_replicated, heads)``: ``out`` ``(batch, S_local, nheads,
+        headdim_v)`` in q's dtype; ``lse_body`` the shard's log-sum-exp (``(batch, H_mine,
+        S_ring_local)`` under Ulysses, ``(batch, nheads, S_local)`` without), ``lse_replicated``
+        ``(batch, nheads, prefix + suffix)``, both in the accumulator dtype; ``heads`` the
+        Ulysses head shards ``(q_u, k_u, v_u, out_u)`` with ``keep_head_shards``, else ``()``.
+        With the inputs (all of them, or only their shapes when :func:`keeps_token_shards` is
+        False) they are what :func:`hybrid_backward` needs.
     """
     p, s = setup.prefix, setup.suffix
     if setup.replicated is None:
-        out, lse = _body_forward(setup, q, k, v, sinks, None, None)
-        return out, lse, q.new_empty((q.shape[0], q.shape[2], 0), dtype=accumulator_dtype(q.dtype))
+        out, lse, heads = _body_forward(setup, q, k, v, sinks, None, None)
+        return out, lse, q.new_empty((q.shape[0], q.shape[2], 0), dtype=accumulator_dtype(q.dtype)), heads
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
-    out_body, lse_body = _body_forward(setup, q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r)
+    out_body, lse_body, heads = _body_forward(setup, q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r)
     out_r, lse_r = replicated_forward(q_r, k_r, v_r, k[:, rows], v[:, rows], sinks, setup.replicated)
-    return _with_replicated(out_r, out_body.to(out_r.dtype), p), lse_body, lse_r
+    return _with_replicated(out_r, out_body.to(out_r.dtype), p), lse_body, lse_r, heads
 
 
 def _hybrid_backward(
-    setup: HybridSetup, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, out: Tensor,
-    lse_body: Tensor, lse_replicated: Tensor,
+    setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
+    out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
+    shapes: tuple[torch.Size, ...],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """One call's backward from :func:`hybrid_forward`'s results; no autograd.
+    """One call's backward from :func:`hybrid_forward`'s results; no autograd. ``q, k, v, out``
+    may be None where :func:`keeps_token_shards` is False; ``shapes`` are then q's, k's, v's.
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
@@ -148,12 +163,14 @@ def _hybrid_backward(
     """
     p, s = setup.prefix, setup.suffix
     if setup.replicated is None:
-        dq, dk, dv, dsinks, _, _ = _body_backward(setup, dout, q, k, v, sinks, None, None, out, lse_body)
+        dq, dk, dv, dsinks, _, _ = _body_backward(
+            setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes
+        )
         return dq, dk, dv, dsinks
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
     dq_b, dk_b, dv_b, ds_b, dk_rb, dv_rb = _body_backward(
-        setup, dout[:, rows], q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r, out[:, rows], lse_body
+        setup, dout[:, rows], q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r, out[:, rows], lse_body, heads
     )
     dq_r, dk_r, dv_r, dk_br, dv_br, ds_r = replicated_backward(
         _replicated_rows(dout, p, s), q_r, k_r, v_r, k[:, rows], v[:, rows], sinks, _replicated_rows(out, p, s),

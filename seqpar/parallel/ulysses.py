@@ -57,15 +57,17 @@ class UlyssesSetup:
     heads: tuple[HeadAssignment, ...]
     rank: int
     workspace: Workspace | None
+    keep_head_shards: bool = False
 
     @staticmethod
     def build(
-        group: Group, token_sizes: Sequence[int], num_heads: int, num_kv_heads: int, workspace: Workspace | None
+        group: Group, token_sizes: Sequence[int], num_heads: int, num_kv_heads: int, workspace: Workspace | None,
+        keep_head_shards: bool = False,
     ) -> UlyssesSetup:
         n = group_size(group)
         return UlyssesSetup(
             group, tuple(token_sizes), cached_head_assignments(num_heads, num_kv_heads, n), group_rank(group),
-            workspace,
+            workspace, keep_head_shards,
         )
 
     @property
@@ -103,17 +105,18 @@ class UlyssesSetup:
         )
         return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
 
-    def to_heads_each(self, xs: list[Tensor], kinds: str) -> list[Tensor]:
+    def to_heads_each(self, xs: list[Tensor], kinds: str, *, kept: bool = False) -> list[Tensor]:
         """:meth:`to_heads` one tensor at a time (Note [Ulysses memory]): each result is a
         contiguous tensor of its own (for ``B == 1``; else a strided one), and only one tensor's
-        staging copy is alive at a time. ``xs`` is emptied as it is staged."""
+        staging copy is alive at a time. ``xs`` is emptied as it is staged. ``kept``: the
+        results outlive the call (saved for the backward), so they are never workspace buffers."""
         outs = []
         for kind in kinds:
             x = xs.pop(0)
             d = x.shape[-1]
             outs.append(fused_all_to_all(
                 [x.flatten(2)], self.group, 2, 1, _flat_ranges([self.head_ranges(kind)], [d]), self.token_sizes,
-                workspace=self.workspace, out_role=f"ulysses.{len(outs)}",
+                workspace=self.workspace, out_role=None if kept else f"ulysses.{len(outs)}",
             )[0].unflatten(2, (-1, d)))
             del x
         return outs
@@ -269,6 +272,16 @@ def ulysses_attention(
 # a strided view of one fused buffer (the kernels read them faster). Its peak is then the kernel's
 # working set: the head-sharded q, k, v, out, dout and their gradients (bench_memory.py,
 # docs/performance.md).
+#
+# ``ParallelState(keep_head_shards=True)`` makes the opposite trade, explicitly: the forward
+# receives q, k and v one at a time as tensors of their own (never workspace buffers) and keeps
+# them and the head-sharded output for the backward, which then exchanges only dout and the
+# gradients: 8 shard transfers per call instead of 12, the traffic of autograd through the two
+# all-to-alls. What it costs is the difference between the head-sharded and the token-sharded
+# tensors kept per layer: nothing for H == Hkv >= U when the layer keeps its output anyway, one
+# output's size when it does not (the head-sharded output is kept next to the caller's), and
+# with GQA ``Hkv < U`` every K/V head received by several ranks (k_u, v_u are ``U / Hkv`` times
+# the token shard's). The planner and the memory model count it (``docs/performance.md``).
 
 
 def _unexpand(heads: HeadAssignment, grad: Tensor) -> Tensor:
@@ -304,7 +317,7 @@ def _my_slopes(run: RingSetup | AllGatherSetup, mine) -> RingSetup | AllGatherSe
 def ulysses_ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
     spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """Ulysses around the ring (no autograd; Note [Ulysses memory]).
 
     Args:
@@ -315,11 +328,16 @@ def ulysses_ring_forward(
         spec: the Ulysses group and layout; run: the ring over this rank's heads.
 
     Returns:
-        ``out`` ``(batch, seqlen_local, nheads, headdim_v)``, the token shard, and ``lse_u``
-        ``(batch, H_mine, L)`` over this rank's heads and the ring-local tokens.
+        ``out`` ``(batch, seqlen_local, nheads, headdim_v)``, the token shard; ``lse_u``
+        ``(batch, H_mine, L)`` over this rank's heads and the ring-local tokens; and with
+        ``spec.keep_head_shards`` the head shards ``(q_u, k_u, v_u, out_u)`` for the backward
+        (``[B, L, H_mine | Hkv_mine, D | Dv]``), else ``()``.
     """
     mine = spec.mine
-    q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
+    if spec.keep_head_shards:
+        q_u, k_u, v_u = spec.to_heads_each([q, k, v], "qkk", kept=True)
+    else:
+        q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
     if mine.q_len:
         run = _my_slopes(run, mine)
         out_u, lse_u = kv_forward(
@@ -331,20 +349,30 @@ def ulysses_ring_forward(
     else:  # no head here: nothing to attend, but the all-to-alls still need this rank
         out_u = q_u.new_zeros((*q_u.shape[:3], v_u.shape[-1]))
         lse_u = q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]), dtype=accumulator_dtype(q.dtype))
+    heads = (q_u, k_u, v_u, out_u) if spec.keep_head_shards else ()
     del q_u, k_u, v_u
     staged = [out_u]
     del out_u
-    return spec.to_tokens(staged, q.shape[2]), lse_u
+    return spec.to_tokens(staged, q.shape[2]), lse_u, heads
 
 
 def ulysses_ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse_u: Tensor, spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
+    dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
+    extra_k: Tensor | None, extra_v: Tensor | None, out: Tensor | None, lse_u: Tensor, spec: UlyssesSetup,
+    run: RingSetup | AllGatherSetup, heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (),
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
-    ``out`` and ``lse_u``."""
+    ``out`` and ``lse_u``. With the forward's head shards ``heads`` (``keep_head_shards``) only
+    ``dout`` travels, and ``q, k, v, out`` may be None: ``shapes`` then gives q's, k's and v's."""
     mine = spec.mine
-    q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")
+    if heads:
+        q_u, k_u, v_u, out_u = heads
+        (dout_u,) = spec.to_heads_each([dout], "q")
+        shapes = shapes or (q.shape, k.shape, v.shape)
+    else:
+        shapes = (q.shape, k.shape, v.shape)
+        q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")
+    heads = ()
     dsinks = dek = dev = None
     if mine.q_len:
         run = _my_slopes(run, mine)
@@ -364,5 +392,5 @@ def ulysses_ring_backward(
         dev = None if extra_v is None else torch.zeros_like(extra_v)
     staged = [dq_u, dk_u, dv_u]
     del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
-    dq, dk, dv = spec.grads_to_tokens(staged, [q.shape, k.shape, v.shape], "qkk")
+    dq, dk, dv = spec.grads_to_tokens(staged, list(shapes), "qkk")
     return dq, dk, dv, dsinks, dek, dev

@@ -98,10 +98,12 @@ class DegreePlan:
         raise ValueError(f"DegreePlan.candidate: {what} is not one of {valid}")
 
     def state(self, group: dist.ProcessGroup | None = None) -> ParallelState:
-        """``ParallelState(ring_size=R, ulysses_size=U, group=group, ring_comm=...)`` of the chosen
-        factorisation and transport (a collective constructor: every rank of ``group`` calls it)."""
+        """``ParallelState(ring_size=R, ulysses_size=U, group=group, ring_comm=..., keep_head_shards=...)``
+        of the chosen factorisation, transport and Ulysses saving (a collective constructor: every
+        rank of ``group`` calls it)."""
         return ParallelState(
-            ring_size=self.ring_size, ulysses_size=self.ulysses_size, group=group, ring_comm=self.ring_comm
+            ring_size=self.ring_size, ulysses_size=self.ulysses_size, group=group, ring_comm=self.ring_comm,
+            keep_head_shards=self.chosen.keep_head_shards,
         )
 
     def table(self) -> str:
@@ -248,6 +250,7 @@ def plan(
     window: tuple[int, int] = (-1, -1),
     cost: CostModel | None = None,
     ring_comm: str = "auto",
+    keep_head_shards: bool = False,
 ) -> DegreePlan:
     """Choose the ring and Ulysses sizes of a CP group for one attention layer shape.
 
@@ -270,6 +273,9 @@ def plan(
             ``None``: ``CostModel.preset("h100")``.
         ring_comm: the K/V transports to consider for ``R > 1``: ``"auto"`` both, ``"p2p"`` or
             ``"allgather"`` one (``ParallelState(ring_comm=...)``; ``docs/performance.md``).
+        keep_head_shards: predict (and build, ``.state()``) with the Ulysses head shards kept for
+            the backward (``ParallelState(keep_head_shards=True)``): less all-to-all traffic, the
+            shard's q, k, v no longer held, the head shards kept per layer instead.
 
     Returns:
         A :class:`DegreePlan`: ``.ring_size``, ``.ulysses_size``, ``.ring_comm``, every
@@ -278,7 +284,8 @@ def plan(
 
     Raises:
         ValueError: a non-positive or non-int size, ``H`` not a multiple of ``Hkv``, a bad window,
-            a non-floating dtype, a cost that is not a ``CostModel`` or an unknown ``ring_comm``.
+            a non-floating dtype, a cost that is not a ``CostModel``, an unknown ``ring_comm`` or
+            a ``keep_head_shards`` that is not a bool.
     """
     where = "seqpar.plan"
     cp_size = as_int(cp_size, "cp_size", where, minimum=1)
@@ -294,6 +301,8 @@ def plan(
         raise ValueError(f"{where}: dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     if not isinstance(ring_comm, str) or ring_comm not in RING_COMMS:
         raise ValueError(f"{where}: ring_comm must be one of {list(RING_COMMS)}, got {ring_comm!r}")
+    if not isinstance(keep_head_shards, bool):
+        raise ValueError(f"{where}: keep_head_shards must be True or False, got {keep_head_shards!r}")
     if cost is None:
         cost = CostModel.preset("h100")
     if not isinstance(cost, CostModel):
@@ -307,7 +316,7 @@ def plan(
     )
     comms = ("p2p", "allgather") if ring_comm == "auto" else (ring_comm,)
     cands = [
-        predict(shape, r, cp_size // r, ranks_per_node, cost, comm)
+        predict(shape, r, cp_size // r, ranks_per_node, cost, comm, keep_head_shards)
         for r in range(1, cp_size + 1) if cp_size % r == 0
         for comm in (comms if r > 1 else ("p2p",))
     ]

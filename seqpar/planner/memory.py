@@ -38,7 +38,8 @@ What one rank of a long-context training step holds is a fixed part plus a part 
   outputs, the residual, incoming and outgoing gradients), the shard's q, k, v, out and their
   gradients, the log-sum-exps; with ``U > 1`` the head-sharded copies of q, k, v, out, dout and
   their staging (``U * ceil(H / U)`` query heads and ``U * kv`` K/V heads per local token, K/V
-  heads replicated where ``Hkv < U``), the fp32 dq, dk, dv accumulators; with ``R > 1`` the ring's
+  heads replicated where ``Hkv < U``; with ``keep_head_shards`` no token-sharded q, k, v), the
+  fp32 dq, dk, dv accumulators; with ``R > 1`` the ring's
   K/V and dK/dV slots (two of each) and the fp32 dK/dV sum; and the MLP's chunk (``7 * F * e /
   chunks``: gate, up, the activation and the product, and one gradient at a time).
 
@@ -234,25 +235,37 @@ def _ulysses_heads(model: ModelShape, ulysses: int) -> tuple[int, int]:
     return max(a.q_len for a in assignments), max(a.kernel_kv_heads for a in assignments)
 
 
-def _layer_saved(model: ModelShape, ulysses: int, mlp_chunks: int) -> float:
-    """Bytes per local token one layer's forward saves for backward (no checkpointing)."""
+def _layer_saved(model: ModelShape, ulysses: int, mlp_chunks: int, keep_head_shards: bool = False) -> float:
+    """Bytes per local token one layer's forward saves for backward (no checkpointing): the
+    shard's q, k, v, out and the log-sum-exp, or with ``keep_head_shards`` (``U > 1``) the
+    shard's out (the output projection's input) and the head shards q_u, k_u, v_u, out_u."""
     e, D, U = model.element_size, model.head_dim, ulysses
     H, Hkv = model.heads, model.kv_heads
-    saved = e * (4 * model.hidden + (2 * H + 2 * Hkv) * D) + 4 * H
+    saved = e * 4 * model.hidden
     if U > 1:
         h, kv = _ulysses_heads(model, U)
-        saved += e * U * (2 * h + 2 * kv) * D + 4 * U * h
+        saved += 4 * U * h  # the log-sum-exp of this rank's heads over all U * T tokens
+        if keep_head_shards:
+            saved += e * (H * D + U * (2 * h + 2 * kv) * D)
+        else:
+            saved += e * (2 * H + 2 * Hkv) * D
+    else:
+        saved += e * (2 * H + 2 * Hkv) * D + 4 * H
     if mlp_chunks == 1:
         saved += 4 * model.ffn * e  # gate, up, activation, product
     return saved
 
 
-def _layer_working_set(model: ModelShape, ring: int, ulysses: int, mlp_chunks: int) -> float:
+def _layer_working_set(
+    model: ModelShape, ring: int, ulysses: int, mlp_chunks: int, keep_head_shards: bool = False
+) -> float:
     """Derived bytes per local token of ONE layer's backward (Note [Memory model]), unscaled."""
     e, D, R, U = model.element_size, model.head_dim, ring, ulysses
     H, Hkv = model.heads, model.kv_heads
     w = e * 6 * model.hidden  # norm outputs, residual, incoming / outgoing gradients
     w += e * 2 * (2 * H + 2 * Hkv) * D  # q, k, v, out of the shard and their gradients
+    if U > 1 and keep_head_shards:
+        w -= e * (H + 2 * Hkv) * D  # the shard's q, k, v: nothing keeps them
     w += 4 * H  # log-sum-exps
     h, kv = _ulysses_heads(model, U) if U > 1 else (H, Hkv)
     if U > 1:
@@ -279,6 +292,7 @@ def longest_context(
     tiled_loss: bool = True,
     loss_chunk_tokens: int | None = None,
     tiled_mlp_chunks: int = 1,
+    keep_head_shards: bool = False,
     zero_stage: int = 3,
     grad_bytes: int | None = None,
     optimizer_bytes_per_param: int = 12,
@@ -302,6 +316,9 @@ def longest_context(
         tiled_loss: ``linear_cross_entropy`` (no ``[T, V]`` logits) instead of a plain loss.
         loss_chunk_tokens: its tokens per chunk (``None``: its default, ``2**24 // V``).
         tiled_mlp_chunks: ``TiledTokenwise`` chunks of the MLP (1: untiled).
+        keep_head_shards: ``ParallelState(keep_head_shards=True)`` (``U > 1``): every layer saves
+            the Ulysses head shards instead of the shard's q, k, v (without checkpointing: more
+            bytes with ``Hkv < U``), and the working set holds no token-sharded q, k, v.
         zero_stage: 0 (replicated), 1 (optimizer sharded), 2 (+ gradients), 3 (+ parameters;
             FSDP), over the ``dp * R * U`` ranks.
         grad_bytes: bytes per gradient element (``None``: the model's element size).
@@ -333,6 +350,8 @@ def longest_context(
         _positive(where, "loss_chunk_tokens", loss_chunk_tokens)
     if grad_bytes is not None:
         _positive(where, "grad_bytes", grad_bytes)
+    if not isinstance(keep_head_shards, bool):
+        raise ValueError(f"{where}: keep_head_shards must be True or False, got {keep_head_shards!r}")
     if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
         raise ValueError(f"{where}: zero_stage={zero_stage!r}; valid: 0, 1, 2, 3")
     if offload and not checkpointing:
@@ -357,13 +376,14 @@ def longest_context(
         else:
             per_token["layer inputs (checkpoints)"] = ckpt
     else:
-        per_token["saved activations, every layer"] = model.layers * _layer_saved(model, U, tiled_mlp_chunks)
+        per_token["saved activations, every layer"] = model.layers * _layer_saved(
+            model, U, tiled_mlp_chunks, keep_head_shards)
     loss_inputs = 2 * hid * e + 4 + 8 + 8
     if not tiled_loss:
         loss_inputs += V * (4 + 4 + e)  # fp32 logits, their gradient, a copy in the model's dtype
     per_token["final hidden + loss inputs"] = float(loss_inputs)
     per_token["one layer's working set (x layer_factor)"] = (
-        cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
+        cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks, keep_head_shards))
     bytes_per_token = sum(per_token.values())
 
     # Fixed per rank.
@@ -398,7 +418,8 @@ def longest_context(
     if host_bytes is not None and host_per_token > 0 and host_bytes // host_per_token < local:
         local, limited_by = int(host_bytes // host_per_token), "host"
     options = dict(checkpointing=checkpointing, offload=offload, tiled_loss=tiled_loss,
-                   loss_chunk_tokens=loss_chunk_tokens, tiled_mlp_chunks=tiled_mlp_chunks, zero_stage=zero_stage,
+                   loss_chunk_tokens=loss_chunk_tokens, tiled_mlp_chunks=tiled_mlp_chunks,
+                   keep_head_shards=keep_head_shards and U > 1, zero_stage=zero_stage,
                    grad_bytes=g, optimizer_bytes_per_param=optimizer_bytes_per_param,
                    train_embeddings=train_embeddings)
     return MemoryPrediction(

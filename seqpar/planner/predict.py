@@ -8,7 +8,7 @@ what ``seqpar.attention`` runs, piece by piece:
 
 1. **Ulysses** (``U > 1``, per ring rank): four fused all-to-alls (Note [Ulysses memory] in
    ``seqpar.parallel.ulysses``): forward q, k, v to heads and the output back; backward q, k, v,
-   out, dout to heads and dq, dk, dv back. Every rank's bytes come from its token count
+   out, dout to heads and dq, dk, dv back -- only dout to heads with ``keep_head_shards``. Every rank's bytes come from its token count
    (``Placement.ulysses_sizes``) and its heads (``head_assignments``: query heads by
    ``split_sizes(H, U)``, K/V heads replicated where a group of query heads is cut).
 2. **Ring**: the exact plan of every ring rank (``ring_plan``): per step, the K/V rows sent and
@@ -39,7 +39,8 @@ all-to-alls, the fp32 accumulators, the ring's K/V and gradient buffers (two slo
 largest kernel result -- the buffers Notes [Workspace] and [Ring schedule] describe, not the
 allocator's fragmentation or kernel scratch. The all-gather transport holds ``R + 1`` slots of
 ``width`` K/V rows (the gathered buffer and the own part) and as many for dK/dV instead of the
-ring's two-step slots.
+ring's two-step slots. With ``keep_head_shards`` the token shards of q, k and v are not held
+(nothing saves them), the head shards are (the same head-sharded terms).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class Candidate:
         ulysses_link, ring_link: ``"intra"``, ``"inter"`` (some traffic crosses nodes) or ``"none"``.
         ring_comm: the K/V transport of the ring, ``"p2p"`` or ``"allgather"`` (Note [All-gather
             K/V]); ``"p2p"`` when ``R == 1``.
+        keep_head_shards: predicted with ``ParallelState(keep_head_shards=True)`` (Note [Ulysses
+            memory]); ``False`` when ``U == 1``, where it changes nothing.
     """
 
     ring_size: int
@@ -113,6 +116,7 @@ class Candidate:
     ulysses_link: str
     ring_link: str
     ring_comm: str = "p2p"
+    keep_head_shards: bool = False
 
     @property
     def idle_ranks(self) -> int:
@@ -122,7 +126,8 @@ class Candidate:
     def label(self) -> str:
         """``"ring R x ulysses U"``, and ``" (all-gather)"`` for the all-gather transport."""
         comm = " (all-gather)" if self.ring_comm == "allgather" else ""
-        return f"ring {self.ring_size} x ulysses {self.ulysses_size}{comm}"
+        keep = " (head shards kept)" if self.keep_head_shards else ""
+        return f"ring {self.ring_size} x ulysses {self.ulysses_size}{comm}{keep}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,10 +222,12 @@ def _link(cost_intra: Link, cost_inter: Link, a: int, b: int, ranks_per_node: in
 
 def predict(
     shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int, cost: CostModel, ring_comm: str = "p2p",
+    keep_head_shards: bool = False,
 ) -> Candidate:
     """The :class:`Candidate` of ``R x U`` with K/V transport ``ring_comm`` for ``shape`` (Note
     [Planner prediction]); trusted inputs (``seqpar.planner.plan`` validates them)."""
     R, U = ring_size, ulysses_size
+    keep = keep_head_shards and U > 1
     N = R * U
     S, H, Hkv, D, B, e = (
         shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size,
@@ -237,7 +244,8 @@ def predict(
     a2a_bytes = [0] * N
     a2a_inter = False
     if U > 1:
-        for q_mult, kv_mult, to_heads in ((1, 2, True), (1, 0, False), (3, 2, True), (1, 2, False)):
+        backward_to_heads = (1, 0, True) if keep else (3, 2, True)  # dout only, or q, k, v, out, dout
+        for q_mult, kv_mult, to_heads in ((1, 2, True), (1, 0, False), backward_to_heads, (1, 2, False)):
             t, sent, crosses = _a2a_phase(placement, heads, q_mult, kv_mult, to_heads, shape, ranks_per_node, cost)
             a2a_s += t
             a2a_inter = a2a_inter or crosses
@@ -342,7 +350,7 @@ def predict(
         },
         ulysses_bytes=max(a2a_bytes),
         ring_bytes=max(ring_bytes),
-        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None),
+        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None, keep),
         imbalance=imbalance(work),
         heads=tuple(h),
         kv_heads=tuple(a.kv_len for a in heads),
@@ -350,12 +358,13 @@ def predict(
         ulysses_link="none" if U == 1 else ("inter" if a2a_inter else "intra"),
         ring_link="none" if R == 1 else ("inter" if ring_inter else "intra"),
         ring_comm="allgather" if allgather else "p2p",
+        keep_head_shards=keep,
     )
 
 
 def _memory(
     shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], heads: list[HeadAssignment], acc: int,
-    gather_width: int | None = None,
+    gather_width: int | None = None, keep_head_shards: bool = False,
 ) -> int:
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
@@ -363,7 +372,8 @@ def _memory(
     head-sharded copies and the staging copy of the one tensor in flight; fp32 accumulators; ring buffers; one kernel's gradients) and
     the way back (the accumulators gone, the head-sharded gradients and their staging, and the
     shard gradients dq, dk, dv). ``gather_width``: the all-gather transport's slot rows (Note
-    [All-gather K/V]), whose buffers replace the ring's two-step slots.
+    [All-gather K/V]), whose buffers replace the ring's two-step slots. ``keep_head_shards``:
+    the shard's q, k, v are not held (Note [Ulysses memory]).
     """
     R, U = placement.ring_size, placement.ulysses_size
     H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
@@ -380,7 +390,8 @@ def _memory(
             a = heads[u]
             local = placement.shard_lengths[r * U + u]
             h, kv = a.q_len, a.kernel_kv_heads
-            shards = local * (3 * H + 2 * Hkv) * unit * e  # q, k, v, out, dout
+            # q, k, v, out, dout of the shard (q, k, v not kept when the head shards are)
+            shards = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
             ring = back = 0
             if U > 1:
                 shards += local * H * unit * e  # all-to-all staging: one tensor at a time (Note [Ulysses memory])

@@ -1,0 +1,176 @@
+"""``ParallelState(keep_head_shards=True)``: the Ulysses forward keeps the head shards for the
+backward (Note [Ulysses memory] in ``seqpar/parallel/ulysses.py``).
+
+The same float64 matrix as ``test_mla.py`` (every mask, softcap, sinks, joint tokens, layouts,
+packed sequences, ``Dv != D``, uneven heads and ``Hkv < U``) on every split with ``U > 1`` of
+worlds 2-4, each case against the single-device reference; then what the option promises and
+nothing else: the backward sends only dout and the gradients (bytes counted at the collective),
+the forward saves the head shards instead of the token shards (bytes counted by a saved-tensor
+hook), torch.compile keeps the same trade, and bad values are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar import ParallelState
+from seqpar.backends import reference_attention
+
+from test_mla import TOL, _dense_case, _dense_cases, _packed_case, _packed_cases, _rel_err
+
+_SPLITS = {2: [(1, 2)], 3: [(1, 3)], 4: [(2, 2), (1, 4)]}
+
+
+def _rank_matrix(world: int) -> list[tuple[str, float]]:
+    results = []
+    for RU in _SPLITS[world]:
+        state = ParallelState(*RU, keep_head_shards=True)
+        assert state.keep_head_shards
+        for c in _dense_cases([RU]):
+            results.append(_dense_case(state, c))
+        for c in _packed_cases([RU]):
+            results.append(_packed_case(state, c))
+        state.close()
+    return results
+
+
+@pytest.mark.parametrize("world", sorted(_SPLITS))
+def test_keep_head_shards_matches_reference(pools, world):
+    expected = sum(len(_dense_cases([RU])) + len(_packed_cases([RU])) for RU in _SPLITS[world])
+    for rank, results in enumerate(pools(world).run(_rank_matrix, world)):
+        assert len(results) == expected
+        for name, err in results:
+            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the option changes: traffic and saved bytes
+
+
+def _one_call(state: ParallelState, S: int, H: int, Hkv: int, D: int):
+    """Sharded q, k, v leaves, the output and dout of one causal float32 call (seeded, same on
+    every rank)."""
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, S, h, D, generator=gen) for h in (H, Hkv, Hkv, H)]
+    q, k, v = (seqpar.shard(t, state).clone().requires_grad_() for t in full[:3])
+    return q, k, v, seqpar.shard(full[3], state)
+
+
+def _rank_traffic(keep: bool) -> dict[str, int]:
+    """Elements this rank hands to all_to_all_single in the forward and in the backward."""
+    state = ParallelState(1, dist.get_world_size(), keep_head_shards=keep)
+    sent = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        sent[phase[0]] += input.numel()
+        return original(output, input, *args, **kwargs)
+
+    q, k, v, dout = _one_call(state, S=64, H=4, Hkv=4, D=8)
+    dist.all_to_all_single = counting
+    try:
+        out = seqpar.attention(q, k, v, state, causal=True, seq_len=64)
+        phase[0] = "backward"
+        out.backward(dout)
+    finally:
+        dist.all_to_all_single = original
+    state.close()
+    return sent
+
+
+def test_keep_head_shards_sends_only_dout_and_gradients(pools):
+    # S = 64 tokens of H = Hkv = 4 heads, D = 8, on 4 ranks: one shard is 16 * 4 * 8 elements.
+    shard = 16 * 4 * 8
+    for rank, (default, kept) in enumerate(zip(pools(4).run(_rank_traffic, False), pools(4).run(_rank_traffic, True))):
+        # Forward: q, k, v to heads, out back, in both modes.
+        assert default["forward"] == kept["forward"] == 4 * shard, (rank, default, kept)
+        # Backward: q, k, v, out, dout to heads and dq, dk, dv back -- or only dout and the gradients.
+        assert default["backward"] == 8 * shard, (rank, default)
+        assert kept["backward"] == 4 * shard, (rank, kept)
+
+
+def _rank_saved(keep: bool, H: int, Hkv: int) -> int:
+    """Bytes one call saves for its backward (each storage counted once)."""
+    state = ParallelState(1, dist.get_world_size(), keep_head_shards=keep)
+    q, k, v, _ = _one_call(state, S=64, H=H, Hkv=Hkv, D=8)
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = seqpar.attention(q, k, v, state, causal=True, seq_len=64)
+    del out
+    state.close()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 1)])
+def test_keep_head_shards_saves_the_head_shards_instead(pools, H, Hkv):
+    U, S, D, f32 = 4, 64, 8, 4
+    lse = H // U * S * f32  # the ring's log-sum-exp over this rank's heads, both modes
+    tokens = (2 * H + 2 * Hkv) * S // U * D * f32  # q, k, v, out of this rank's tokens
+    # Every rank receives all S tokens of its H / U query heads and of the K/V heads they use:
+    # one K/V head here when Hkv = 1 (sent to every rank), H / U when Hkv = H.
+    kv = max(Hkv // U, 1)
+    heads = (2 * H // U + 2 * kv) * S * D * f32
+    for rank, (default, kept) in enumerate(zip(pools(4).run(_rank_saved, False, H, Hkv),
+                                              pools(4).run(_rank_saved, True, H, Hkv))):
+        assert default == tokens + lse, (rank, default)
+        assert kept == heads + lse, (rank, kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile keeps the trade; bad values
+
+
+def _rank_compiled() -> list[tuple[str, float]]:
+    state = ParallelState(1, dist.get_world_size(), keep_head_shards=True)
+    gen = torch.Generator().manual_seed(3)
+    S, lens, (H, Hkv), (D, Dv) = 29, [7, 1, 13, 10], (6, 2), (8, 4)
+    dense = [torch.randn(2, S, h, d, generator=gen, dtype=torch.float64) for h, d in ((H, D), (Hkv, D), (Hkv, Dv))]
+    packed = [torch.randn(sum(lens), h, d, generator=gen, dtype=torch.float64)
+              for h, d in ((H, D), (Hkv, D), (Hkv, Dv))]
+
+    def f(q, k, v, qp, kp, vp):
+        o = seqpar.attention(q, k, v, state, causal=True, layout="bhsd", backend="cpu")
+        op = seqpar.varlen_attention(qp, kp, vp, state, lens, causal=True, backend="cpu")
+        return o.square().sum() + op.square().sum()
+
+    leaves = [t.clone().requires_grad_() for t in (*dense, *packed)]
+    loss = (reference_attention(*leaves[:3], causal=True).square().sum()
+            + seqpar.backends.reference_varlen_attention(*leaves[3:], lens, causal=True).square().sum())
+    want = torch.autograd.grad(loss, leaves)
+    mine = [seqpar.shard(t, state).transpose(1, 2) for t in dense] + [seqpar.shard_packed(t, state, lens) for t in packed]
+    mine = [t.detach().clone().requires_grad_() for t in mine]
+    torch._dynamo.reset()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        share = torch.compile(f, fullgraph=True, backend="aot_eager")(*mine)
+    grads = torch.autograd.grad(share, mine)
+    local_want = [seqpar.shard(g, state).transpose(1, 2) for g in want[:3]]
+    local_want += [seqpar.shard_packed(g, state, lens) for g in want[3:]]
+    results = [(name, _rel_err(g, w)) for name, g, w in zip(["dq", "dk", "dv", "dq packed", "dk packed", "dv packed"],
+                                                             grads, local_want)]
+    # The head shards were saved (all S tokens of a few heads), the token shards not.
+    results.append(("saved head shards", float((2, S, H // 2, D) not in saved)))
+    results.append(("saved no token shard", float((2, H, mine[0].shape[2], D) in saved)))
+    state.close()
+    return results
+
+
+def test_keep_head_shards_compiled(pools):
+    for rank, results in enumerate(pools(2).run(_rank_compiled)):
+        for name, err in results:
+            assert err <= TOL, f"rank {rank}: {name}: {err:.3g}"
+
+
+def test_keep_head_shards_must_be_a_bool():
+    with pytest.raises(ValueError, match="keep_head_shards must be True or False, got 'yes'"):
+        ParallelState(keep_head_shards="yes")
+    assert ParallelState(keep_head_shards=True).keep_head_shards is True
