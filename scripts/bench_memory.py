@@ -25,6 +25,7 @@ a perfect ``1/N`` share. The ranks share the machine's cores; memory does not de
     python scripts/bench_memory.py                       # N=4: 4x1, 1x4, 2x2; dense and packed
     python scripts/bench_memory.py --world 8 --configs 8x1,1x8,2x4,4x2 --kv-heads 2
     python scripts/bench_memory.py --keep                # a kept arena (Workspace(keep=True))
+    python scripts/bench_memory.py --keep-head-shards    # ParallelState(keep_head_shards=True)
     python scripts/bench_memory.py --seq-len 1024 --plot memory.png
 
 Output: the table and notes, then the whole report as one JSON line (last line); ``--json PATH``
@@ -186,7 +187,7 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool)
         return run
 
     def fresh_state():
-        state = seqpar.ParallelState(R, U)
+        state = seqpar.ParallelState(R, U, keep_head_shards=args.keep_head_shards)
         if args.keep:
             state.workspace = Workspace(keep=True)
         return state
@@ -219,6 +220,8 @@ def main() -> None:
     parser.add_argument("--non-causal", dest="causal", action="store_false", help="non-causal (default: causal)")
     parser.add_argument("--keep", action="store_true", help="states keep a workspace arena (Workspace(keep=True)) "
                         "instead of fresh buffers per call")
+    parser.add_argument("--keep-head-shards", action="store_true",
+                        help="ParallelState(keep_head_shards=True): Ulysses keeps its head shards for the backward")
     add_output_arguments(parser, "total x (everything counted) per configuration, single call and stack")
     args = parser.parse_args()
     n = args.world
@@ -253,7 +256,8 @@ def main() -> None:
                     ])
     what = (f"S={args.seq_len} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype} "
             f"{'causal' if args.causal else 'non-causal'}, packed = 3 sequences, stack = {args.layers} layers, "
-            f"workspace {'kept (arena)' if args.keep else 'per call'}")
+            f"workspace {'kept (arena)' if args.keep else 'per call'}"
+            f"{', Ulysses head shards kept' if args.keep_head_shards else ''}")
     text = (
         f"attention memory per rank x {n} / one device (ideal 1.0), everything counted; {what}\n"
         + table(["config", "layout", "workload", "ideal MiB", "first MiB", "later MiB", "kept MiB", "later x",

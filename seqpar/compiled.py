@@ -14,7 +14,9 @@ disabled") and keeps host-side plans. So while compiling (``torch.compiler.is_co
   collective checks of Note [Global length]) and runs the one composition,
   ``seqpar.parallel.hybrid.hybrid_forward`` (Note [Hybrid composition]); it returns, next to the
   output, the residuals of its backward: the log-sum-exp of the ring (and of the replicated
-  tokens) and the placement it found. Their sizes depend on other ranks, so the fake (meta)
+  tokens), the placement it found and, with ``ParallelState(keep_head_shards=True)`` (read
+  while tracing, so the graph is specialised on it), the Ulysses head shards, saved instead of
+  q, k, v and the output (Note [Ulysses memory]). Their sizes depend on other ranks, so the fake (meta)
   implementation gives them data-dependent sizes; the output has the shape of ``q`` with v's
   head dim ``Dv`` as its last dim (:func:`_out_fake`; ``Dv != D`` for MLA);
 - the backward operator, registered as the forward's autograd formula, rebuilds the call from
