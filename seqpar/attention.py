@@ -28,7 +28,18 @@ from torch import Tensor, nn
 from .backends import AttentionBackend
 from .placement.masks import MaskSlices
 from .comm import refuse_double_backward
-from .parallel.hybrid import hybrid_backward, hybrid_forward, keeps_token_shards
+from .parallel.hybrid import (
+    dout_to_heads,
+    head_grads_to_tokens,
+    head_shards_backward,
+    head_shards_forward,
+    hybrid_backward,
+    hybrid_forward,
+    keeps_token_shards,
+    out_to_tokens,
+    splits_at_heads,
+    to_head_shards,
+)
 from .prepare import (
     Layout,
     PreparedCall,
@@ -59,7 +70,7 @@ class _Attention(torch.autograd.Function):
         tokens = (q, k, v, out) if keeps_token_shards(call.setup) else (None,) * 4
         ctx.save_for_backward(*tokens, sinks, lse_body, lse_replicated, *heads)
         ctx.shapes = (q.shape, k.shape, v.shape)
-        ctx.call = call
+        ctx.setup = call.setup  # not the call: it holds q, k, v (Note [Head shards as a node])
         return out
 
     @staticmethod
@@ -67,10 +78,64 @@ class _Attention(torch.autograd.Function):
         refuse_double_backward("seqpar attention")
         q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
         grads = hybrid_backward(
-            ctx.call.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads), ctx.shapes
+            ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads), ctx.shapes
         )
         # No gradient for call.
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
+
+
+class _ToHeadShards(torch.autograd.Function):
+    """Token shards to head shards (Note [Head shards as a node] in ``seqpar.parallel.hybrid``);
+    saves nothing. The first of the three nodes of a call that keeps the head shards."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: PreparedCall) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.setup, ctx.shapes = call.setup, (q.shape, k.shape, v.shape)
+        return to_head_shards(call.setup, q, k, v)
+
+    @staticmethod
+    def backward(ctx, dq_u: Tensor, dk_u: Tensor, dv_u: Tensor):
+        refuse_double_backward("seqpar attention")
+        return (*head_grads_to_tokens(ctx.setup, dq_u, dk_u, dv_u, ctx.shapes), None)
+
+
+class _HeadShardsAttention(torch.autograd.Function):
+    """The ring over this rank's heads; saves the head shards, their output and the LSE."""
+
+    @staticmethod
+    def forward(ctx, q_u: Tensor, k_u: Tensor, v_u: Tensor, sinks: Tensor | None, call: PreparedCall) -> Tensor:
+        out_u, lse_u = head_shards_forward(call.setup, q_u, k_u, v_u, sinks)
+        ctx.save_for_backward(q_u, k_u, v_u, out_u, lse_u, sinks)
+        ctx.setup = call.setup
+        return out_u
+
+    @staticmethod
+    def backward(ctx, dout_u: Tensor):
+        refuse_double_backward("seqpar attention")
+        grads = head_shards_backward(ctx.setup, dout_u, *ctx.saved_tensors)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
+
+
+class _ToTokenShard(torch.autograd.Function):
+    """The output's head shard back to the token shard; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, out_u: Tensor, call: PreparedCall) -> Tensor:
+        ctx.setup = call.setup
+        return out_to_tokens(call.setup, out_u, call.qb.shape[2])
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        refuse_double_backward("seqpar attention")
+        return dout_to_heads(ctx.setup, dout), None
+
+
+def _apply(call: PreparedCall, sinks: Tensor | None) -> Tensor:
+    """The eager autograd graph of a prepared call: one node, or three around the head shards."""
+    if splits_at_heads(call.setup):
+        q_u, k_u, v_u = _ToHeadShards.apply(call.qb, call.kb, call.vb, call)
+        return _ToTokenShard.apply(_HeadShardsAttention.apply(q_u, k_u, v_u, sinks, call), call)
+    return _Attention.apply(call.qb, call.kb, call.vb, sinks, call)
 
 
 def attention(
@@ -163,7 +228,7 @@ def attention(
         chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
     )
     call = prepare_dense(q, k, v, state, options, backend, sinks, alibi_slopes=alibi_slopes)
-    return to_bshd(_Attention.apply(call.qb, call.kb, call.vb, sinks, call), layout)
+    return to_bshd(_apply(call, sinks), layout)
 
 
 def varlen_attention(
@@ -241,7 +306,7 @@ def varlen_attention(
         q, k, v, state, seq_lens, causal=causal, softmax_scale=softmax_scale, backend=backend,
         window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
     )
-    return _Attention.apply(call.qb, call.kb, call.vb, sinks, call)[0]
+    return _apply(call, sinks)[0]
 
 
 class SequenceParallelAttention(nn.Module):

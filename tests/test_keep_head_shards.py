@@ -174,3 +174,49 @@ def test_keep_head_shards_must_be_a_bool():
     with pytest.raises(ValueError, match="keep_head_shards must be True or False, got 'yes'"):
         ParallelState(keep_head_shards="yes")
     assert ParallelState(keep_head_shards=True).keep_head_shards is True
+
+
+def _rank_peaks(S: int, H: int, Hkv: int, D: int) -> dict[str, int]:
+    """Peak bytes of one forward+backward created inside it: seqpar's default state, its
+    ``keep_head_shards`` state, and autograd through the two all-to-alls around the same CPU
+    kernel (``ulysses_attention``: DeepSpeed's and yunchang's form)."""
+    from seqpar.backends.cpu import CpuFlashBackend
+    from seqpar.parallel.ulysses import ulysses_attention
+    from seqpar.tools.profiling import StorageTracker
+
+    U = dist.get_world_size()
+    kernel = CpuFlashBackend()
+
+    def inner(q_u, k_u, v_u, heads):
+        return kernel_attention(q_u, k_u, v_u)
+
+    def kernel_attention(q, k, v):
+        # torch's CPU flash kernel through SDPA, bshd in and out, as DeepSpeed's local attention runs it.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    peaks = {}
+    for name in ("default", "keep", "autograd"):
+        state = ParallelState(1, U, keep_head_shards=name == "keep")
+        q, k, v, dout = _one_call(state, S, H, Hkv, D)
+        with StorageTracker() as mem:
+            if name == "autograd":
+                out = ulysses_attention(q, k, v, state.ulysses_group, inner, gather_size=S)
+            else:
+                out = seqpar.attention(q, k, v, state, causal=True, seq_len=S, backend=kernel)
+            out.backward(dout)
+            del out
+        peaks[name] = mem.peak
+        state.close()
+    return peaks
+
+
+def test_keep_head_shards_holds_no_more_than_autograd_through_the_exchanges(pools):
+    # Three nodes (Note [Head shards as a node]): the head shards and dout are freed as autograd
+    # would free them, so the peak is that of the peers' form; one node would hold the head
+    # shards through the gradients' exchange (about 4 shards more here).
+    S, H, Hkv, D = 512, 8, 8, 16
+    shard = S // 4 * H * D * 4
+    for rank, peaks in enumerate(pools(4).run(_rank_peaks, S, H, Hkv, D)):
+        assert peaks["keep"] <= peaks["autograd"] + shard // 2, (rank, peaks, shard)

@@ -37,9 +37,12 @@ from .allgather import AllGatherSetup, kv_backward, kv_forward
 from .merge import accumulator_dtype
 from .replicated import ReplicatedSetup, replicated_backward, replicated_forward
 from .ring import RingSetup
-from .ulysses import UlyssesSetup, ulysses_ring_backward, ulysses_ring_forward
+from .ulysses import UlyssesSetup, heads_backward, heads_forward, ulysses_ring_backward, ulysses_ring_forward
 
-__all__ = ["HybridSetup", "hybrid_forward", "hybrid_backward", "keeps_token_shards"]
+__all__ = [
+    "HybridSetup", "hybrid_forward", "hybrid_backward", "keeps_token_shards", "splits_at_heads", "to_head_shards",
+    "head_grads_to_tokens", "head_shards_forward", "head_shards_backward", "out_to_tokens", "dout_to_heads",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +83,81 @@ def keeps_token_shards(setup: HybridSetup) -> bool:
     """Whether the backward needs the token shards ``q, k, v, out`` (saved by the caller): always,
     except under Ulysses with ``keep_head_shards`` and no replicated rows (Note [Ulysses memory])."""
     return setup.ulysses is None or not setup.ulysses.keep_head_shards or setup.replicated is not None
+
+
+def splits_at_heads(setup: HybridSetup) -> bool:
+    """Whether an eager call runs as three autograd nodes around the head shards (Note [Head
+    shards as a node]): Ulysses with ``keep_head_shards`` and no replicated rows."""
+    return setup.ulysses is not None and setup.ulysses.keep_head_shards and setup.replicated is None
+
+
+# Note [Head shards as a node]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# With ``keep_head_shards`` an eager call is three autograd nodes instead of one, the graph
+# autograd through the two all-to-alls would build (DeepSpeed's and yunchang's form):
+#
+#   q, k, v --to_head_shards--> q_u, k_u, v_u --head_shards_forward--> out_u --out_to_tokens--> out
+#            (saves nothing)                   (saves q_u, k_u, v_u,          (saves nothing)
+#                                               out_u, the LSE)
+#
+# Autograd frees a node's saved tensors and incoming gradients when its backward returns: dout is
+# gone once it has been exchanged to dout_u, the head shards once their gradients exist, and the
+# gradients go back one tensor at a time. One node would hold all of it through the gradients'
+# all-to-all (a quarter of a call's peak, ``docs/performance.md``). The pieces are the ones
+# ``hybrid_forward`` / ``hybrid_backward`` compose (same exchanges and kernels, same order);
+# ``seqpar.compiled`` keeps the one-node form (one operator), as do calls with replicated rows.
+
+
+def to_head_shards(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``[B, S_local, H | Hkv, D | Dv]`` token shards -> ``(q_u, k_u, v_u)``, all ``L``
+    ring-local tokens of this rank's heads, tensors of their own (Note [Head shards as a node])."""
+    with _scope(setup):
+        q_u, k_u, v_u = setup.ulysses.to_heads_each([q, k, v], "qkk", kept=True)
+    return q_u, k_u, v_u
+
+
+def head_grads_to_tokens(
+    setup: HybridSetup, dq_u: Tensor, dk_u: Tensor, dv_u: Tensor, shapes: tuple[torch.Size, ...]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of :func:`to_head_shards`: the token shards' gradients (``shapes``: q's, k's, v's)."""
+    with _scope(setup):
+        dq, dk, dv = setup.ulysses.grads_to_tokens_each([dq_u, dk_u, dv_u], list(shapes), "qkk")
+    return dq, dk, dv
+
+
+def head_shards_forward(
+    setup: HybridSetup, q_u: Tensor, k_u: Tensor, v_u: Tensor, sinks: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The ring over this rank's heads: ``(out_u, lse_u)``, ``[B, L, H_mine, Dv]`` and
+    ``[B, H_mine, L]`` (Note [Head shards as a node])."""
+    with _scope(setup):
+        return heads_forward(q_u, k_u, v_u, sinks, None, None, setup.ulysses, setup.ring)
+
+
+def head_shards_backward(
+    setup: HybridSetup, dout_u: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor, out_u: Tensor, lse_u: Tensor,
+    sinks: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Backward of :func:`head_shards_forward`: ``(dq_u, dk_u, dv_u, dsinks)``, the head shards'
+    gradients and this rank's partial ``dsinks`` (None without sinks)."""
+    with _scope(setup):
+        dq_u, dk_u, dv_u, dsinks, _, _ = heads_backward(
+            dout_u, q_u, k_u, v_u, out_u, lse_u, sinks, None, None, setup.ulysses, setup.ring
+        )
+    return dq_u, dk_u, dv_u, dsinks
+
+
+def out_to_tokens(setup: HybridSetup, out_u: Tensor, num_heads: int) -> Tensor:
+    """``out_u`` ``[B, L, H_mine, Dv]`` -> the token shard ``[B, S_local, num_heads, Dv]``."""
+    with _scope(setup):
+        return setup.ulysses.to_tokens([out_u], num_heads)
+
+
+def dout_to_heads(setup: HybridSetup, dout: Tensor) -> Tensor:
+    """Backward of :func:`out_to_tokens`: ``dout_u`` ``[B, L, H_mine, Dv]``, a tensor of its own."""
+    with _scope(setup):
+        (dout_u,) = setup.ulysses.to_heads_each([dout], "q", kept=True)
+    return dout_u
 
 
 def _replicated_rows(x: Tensor, prefix: int, suffix: int) -> Tensor:

@@ -39,7 +39,7 @@ from .ring import RingSetup
 # head_assignments / HeadAssignment live in seqpar.placement.heads; re-exported under their old path.
 __all__ = [
     "ulysses_attention", "InnerAttention", "UlyssesSetup", "ulysses_ring_forward", "ulysses_ring_backward",
-    "HeadAssignment", "head_assignments",
+    "HeadAssignment", "head_assignments", "heads_forward", "heads_backward",
 ]
 
 
@@ -150,6 +150,20 @@ class UlyssesSetup:
             workspace=self.workspace, release_inputs=True, recv_role="ulysses.0",
         )
         return [o.unflatten(2, (-1, d)) for o, d in zip(outs, dims)]
+
+
+    def grads_to_tokens_each(self, grads: list[Tensor], shapes: list[torch.Size], kinds: str) -> list[Tensor]:
+        """:meth:`grads_to_tokens` one tensor at a time: one staging copy alive, for gradients the
+        caller cannot release (an autograd node's incoming gradients stay alive until it returns)."""
+        outs = []
+        for grad, shape, kind in zip(grads, shapes, kinds):
+            d = shape[-1]
+            flat_shape = torch.Size((*shape[:2], shape[2] * d))
+            outs.append(fused_all_to_all_backward(
+                [grad.flatten(2)], [flat_shape], self.group, 2, 1, _flat_ranges([self.head_ranges(kind)], [d]),
+                self.token_sizes, workspace=self.workspace,
+            )[0].unflatten(2, (-1, d)))
+        return outs
 
 
 def _flat_heads(xs: list[Tensor]) -> list[Tensor]:
@@ -314,6 +328,60 @@ def _my_slopes(run: RingSetup | AllGatherSetup, mine) -> RingSetup | AllGatherSe
     return run if run.alibi is None else dataclasses.replace(run, alibi=mine.q_heads(run.alibi, 0))
 
 
+def heads_forward(
+    q_u: Tensor, k_u: Tensor, v_u: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
+    spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
+) -> tuple[Tensor, Tensor]:
+    """The ring over this rank's heads (no communication of its own besides the ring's).
+
+    Args:
+        q_u, k_u, v_u: ``(batch, L, H_mine | Hkv_mine, headdim | headdim_v)``, all ``L``
+            ring-local tokens of this rank's heads (``UlyssesSetup.to_heads``).
+        sinks: ``(nheads,)`` or None; extra_k, extra_v: replicated keys (``(batch, P, nheads_kv,
+            headdim)`` / ``(..., headdim_v)``) or None; spec, run: as in :func:`ulysses_ring_forward`.
+
+    Returns:
+        ``out_u`` ``(batch, L, H_mine, headdim_v)`` and ``lse_u`` ``(batch, H_mine, L)``.
+    """
+    mine = spec.mine
+    if not mine.q_len:  # no head here: nothing to attend, but the all-to-alls still need this rank
+        out_u = q_u.new_zeros((*q_u.shape[:3], v_u.shape[-1]))
+        return out_u, q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]), dtype=accumulator_dtype(q_u.dtype))
+    return kv_forward(
+        q_u, _expand(mine, k_u), _expand(mine, v_u),
+        None if sinks is None else mine.q_heads(sinks, 0),
+        None if extra_k is None else mine.kv_heads(extra_k, 2),
+        None if extra_v is None else mine.kv_heads(extra_v, 2), _my_slopes(run, mine),
+    )
+
+
+def heads_backward(
+    dout_u: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor, out_u: Tensor, lse_u: Tensor, sinks: Tensor | None,
+    extra_k: Tensor | None, extra_v: Tensor | None, spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of :func:`heads_forward`: ``(dq_u, dk_u, dv_u)`` shaped like ``q_u, k_u, v_u``
+    (expanded K/V heads summed back), and this rank's partial ``(dsinks, dextra_k, dextra_v)``
+    in the full shapes of ``sinks``, ``extra_k``, ``extra_v`` (None where those are None)."""
+    mine = spec.mine
+    if not mine.q_len:  # no head here: zero shares, so every rank returns the same gradients (sum over CP)
+        return (
+            torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u),
+            None if sinks is None else torch.zeros_like(sinks),
+            None if extra_k is None else torch.zeros_like(extra_k),
+            None if extra_v is None else torch.zeros_like(extra_v),
+        )
+    s = None if sinks is None else mine.q_heads(sinks, 0)
+    ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
+    ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
+    dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(
+        dout_u, q_u, _expand(mine, k_u), _expand(mine, v_u), s, ek, ev, out_u, lse_u, _my_slopes(run, mine)
+    )
+    return (
+        dq_u, _unexpand(mine, dk_u), _unexpand(mine, dv_u), _place(mine, ds, sinks, "q", 0),
+        _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2),
+    )
+
+
 def ulysses_ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
     spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
@@ -333,22 +401,11 @@ def ulysses_ring_forward(
         ``spec.keep_head_shards`` the head shards ``(q_u, k_u, v_u, out_u)`` for the backward
         (``[B, L, H_mine | Hkv_mine, D | Dv]``), else ``()``.
     """
-    mine = spec.mine
     if spec.keep_head_shards:
         q_u, k_u, v_u = spec.to_heads_each([q, k, v], "qkk", kept=True)
     else:
         q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
-    if mine.q_len:
-        run = _my_slopes(run, mine)
-        out_u, lse_u = kv_forward(
-            q_u, _expand(mine, k_u), _expand(mine, v_u),
-            None if sinks is None else mine.q_heads(sinks, 0),
-            None if extra_k is None else mine.kv_heads(extra_k, 2),
-            None if extra_v is None else mine.kv_heads(extra_v, 2), run,
-        )
-    else:  # no head here: nothing to attend, but the all-to-alls still need this rank
-        out_u = q_u.new_zeros((*q_u.shape[:3], v_u.shape[-1]))
-        lse_u = q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]), dtype=accumulator_dtype(q.dtype))
+    out_u, lse_u = heads_forward(q_u, k_u, v_u, sinks, extra_k, extra_v, spec, run)
     heads = (q_u, k_u, v_u, out_u) if spec.keep_head_shards else ()
     del q_u, k_u, v_u
     staged = [out_u]
@@ -364,7 +421,6 @@ def ulysses_ring_backward(
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``. With the forward's head shards ``heads`` (``keep_head_shards``) only
     ``dout`` travels, and ``q, k, v, out`` may be None: ``shapes`` then gives q's, k's and v's."""
-    mine = spec.mine
     if heads:
         q_u, k_u, v_u, out_u = heads
         (dout_u,) = spec.to_heads_each([dout], "q")
@@ -373,23 +429,9 @@ def ulysses_ring_backward(
         shapes = (q.shape, k.shape, v.shape)
         q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")
     heads = ()
-    dsinks = dek = dev = None
-    if mine.q_len:
-        run = _my_slopes(run, mine)
-        s = None if sinks is None else mine.q_heads(sinks, 0)
-        ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
-        ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
-        dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(
-            dout_u, q_u, _expand(mine, k_u), _expand(mine, v_u), s, ek, ev, out_u, lse_u, run
-        )
-        dk_u, dv_u = _unexpand(mine, dk_u), _unexpand(mine, dv_u)
-        dsinks = _place(mine, ds, sinks, "q", 0)
-        dek, dev = _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2)
-    else:  # no head here: zero shares, so every rank returns the same gradients (sum over CP)
-        dq_u, dk_u, dv_u = torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u)
-        dsinks = None if sinks is None else torch.zeros_like(sinks)
-        dek = None if extra_k is None else torch.zeros_like(extra_k)
-        dev = None if extra_v is None else torch.zeros_like(extra_v)
+    dq_u, dk_u, dv_u, dsinks, dek, dev = heads_backward(
+        dout_u, q_u, k_u, v_u, out_u, lse_u, sinks, extra_k, extra_v, spec, run
+    )
     staged = [dq_u, dk_u, dv_u]
     del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
     dq, dk, dv = spec.grads_to_tokens(staged, list(shapes), "qkk")
