@@ -291,11 +291,12 @@ def ulysses_attention(
 # receives q, k and v one at a time as tensors of their own (never workspace buffers) and keeps
 # them and the head-sharded output for the backward, which then exchanges only dout and the
 # gradients: 8 shard transfers per call instead of 12, the traffic of autograd through the two
-# all-to-alls. What it costs is the difference between the head-sharded and the token-sharded
-# tensors kept per layer: nothing for H == Hkv >= U when the layer keeps its output anyway, one
-# output's size when it does not (the head-sharded output is kept next to the caller's), and
-# with GQA ``Hkv < U`` every K/V head received by several ranks (k_u, v_u are ``U / Hkv`` times
-# the token shard's). The planner and the memory model count it (``docs/performance.md``).
+# all-to-alls. Per layer it keeps the head shards instead of the token shards: the same bytes for
+# H == Hkv >= U, more with GQA ``Hkv < U`` (every K/V head received by several ranks: k_u, v_u
+# are ``U / Hkv`` times the token shard's k, v). Its backward's working set is smaller (nothing
+# re-sent), and eager calls run as three autograd nodes so that each piece is freed as soon as
+# it is dead (Note [Head shards as a node] in ``seqpar.parallel.hybrid``). The planner and the
+# memory model count it; the measured trade is in ``docs/performance.md``.
 
 
 def _unexpand(heads: HeadAssignment, grad: Tensor) -> Tensor:
