@@ -63,6 +63,7 @@ also writes it, ``--plot PATH`` saves a chart of the seqpar / peer time and memo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.machinery
 import importlib.util
 import re
@@ -104,6 +105,7 @@ class Case:
     ulysses: int
     causal: bool
     peers: tuple[str, ...]
+    seqpar_checks: str = "auto"  # ParallelState(checks=...) of the seqpar sides (--seqpar-checks)
 
     @property
     def label(self) -> str:
@@ -338,7 +340,8 @@ class SeqparSide(Side):
         import seqpar
 
         self._seqpar = seqpar
-        self.state = seqpar.ParallelState(case.ring, case.ulysses, keep_head_shards=self.keep_head_shards)
+        self.state = seqpar.ParallelState(case.ring, case.ulysses, keep_head_shards=self.keep_head_shards,
+                                          checks=case.seqpar_checks)
         super().__init__(case, S, groups)
 
     def placement(self) -> torch.Tensor:
@@ -691,6 +694,10 @@ def main() -> None:
                         help="seconds the exactness check waits for its ranks to start (again after a peer killed one)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the timed runs (s)")
     parser.add_argument("--check-only", action="store_true", help="run the exactness check only")
+    parser.add_argument("--seqpar-checks", default="auto", choices=["auto", "always", "never"],
+                        help="ParallelState(checks=...) of the seqpar sides: 'auto' (the default) checks every "
+                             "CPU call collectively (one small all-gather, a synchronisation point the peers do not "
+                             "have); 'never' leaves it out")
     parser.add_argument("--even-check-only", action="store_true",
                         help="check exactness on the even shape only (no odd shapes: quicker, no peer crashes)")
     add_output_arguments(parser, "seqpar / peer time and memory ratios per case")
@@ -707,7 +714,7 @@ def main() -> None:
     skipped: list[dict] = []  # peers not run, with the reason
     plan: list[tuple[Case, list[str]]] = []
     for key in keys:
-        case = CASES[key]
+        case = dataclasses.replace(CASES[key], seqpar_checks=args.seqpar_checks)
         cp = case.ring * case.ulysses
         if args.world % cp:
             skipped.append({"case": key, "peer": "*", "reason": f"needs a world divisible by {cp}, got {args.world}"})
