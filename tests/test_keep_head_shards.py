@@ -46,6 +46,46 @@ def test_keep_head_shards_matches_reference(pools, world):
             assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
 
 
+def _rank_more_options(RU: tuple[int, int]) -> list[tuple[str, float]]:
+    """ALiBi, mask slices (block-causal frames) and the all-gather K/V transport with the option,
+    float64 against the reference."""
+    from seqpar import MaskSlices
+
+    results = []
+    S, H, Hkv, D = 41, 6, 2, 8
+    frames = MaskSlices([(0, 9), (9, 30), (30, 41)], [(0, 9), (0, 30), (0, 41)], ["full", "full", "full"])
+    cases = {
+        "alibi causal": (dict(causal=True), True, "p2p"),
+        "frames": (dict(mask=frames), False, "p2p"),
+        "allgather causal": (dict(causal=True), False, "allgather"),
+        "allgather window + alibi": (dict(causal=True, window=(7, 0)), True, "allgather"),
+    }
+    for name, (opts, alibi, comm) in cases.items():
+        state = ParallelState(*RU, ring_comm=comm, keep_head_shards=True)
+        gen = torch.Generator().manual_seed(len(name))
+        full = [torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+        slopes = torch.rand(H, generator=gen, dtype=torch.float64) if alibi else None
+        leaves = [t.clone().requires_grad_() for t in full[:3]]
+        ref = reference_attention(*leaves, alibi_slopes=slopes, **opts)
+        want = torch.autograd.grad(ref, leaves, full[3])
+        mine = [seqpar.shard(t, state).requires_grad_() for t in full[:3]]
+        out = seqpar.attention(*mine, state, alibi_slopes=slopes, seq_len=S, **opts)
+        grads = torch.autograd.grad(out, mine, seqpar.shard(full[3], state))
+        errs = [_rel_err(out.detach(), seqpar.shard(ref.detach(), state))]
+        errs += [_rel_err(g, seqpar.shard(w, state)) for g, w in zip(grads, want)]
+        results.append((f"{RU} {name}", max(errs)))
+        state.close()
+    return results
+
+
+@pytest.mark.parametrize("world, RU", [(3, (1, 3)), (4, (2, 2))])
+def test_keep_head_shards_alibi_mask_slices_allgather(pools, world, RU):
+    for rank, results in enumerate(pools(world).run(_rank_more_options, RU)):
+        assert len(results) == 4
+        for name, err in results:
+            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+
+
 # ---------------------------------------------------------------------------------------------
 # What the option changes: traffic and saved bytes
 
