@@ -78,6 +78,41 @@ def _rank_more_options(RU: tuple[int, int]) -> list[tuple[str, float]]:
     return results
 
 
+def _rank_kept_arena() -> list[tuple[str, float]]:
+    """The option with a kept workspace arena (Note [Workspace]): the head shards outlive their
+    scope, so they must never be arena slices; two layers and two steps reuse the arena."""
+    from seqpar.comm import Workspace
+
+    state = ParallelState(2, 2, keep_head_shards=True)
+    state.workspace = Workspace(keep=True)
+    S, H, Hkv, D = 37, 6, 2, 8
+    results = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        full = [torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H)]
+        leaves = [t.clone().requires_grad_() for t in full[:3]]
+        # Two layers: the second's inputs are the first's output (values and keys alike).
+        ref = reference_attention(leaves[0], leaves[1], leaves[2], causal=True)
+        ref = reference_attention(ref, leaves[1], leaves[2], causal=True)
+        want = torch.autograd.grad(ref, leaves, full[3])
+        mine = [seqpar.shard(t, state).requires_grad_() for t in full[:3]]
+        out = seqpar.attention(mine[0], mine[1], mine[2], state, causal=True, seq_len=S)
+        out = seqpar.attention(out, mine[1], mine[2], state, causal=True, seq_len=S)
+        grads = torch.autograd.grad(out, mine, seqpar.shard(full[3], state))  # sharded leaves: full gradients
+        errs = [_rel_err(out.detach(), seqpar.shard(ref.detach(), state))]
+        errs += [_rel_err(g, seqpar.shard(w, state)) for g, w in zip(grads, want)]
+        results.append((f"step {step}", max(errs)))
+    results.append(("arena kept", float(state.workspace.nbytes == 0)))
+    state.close()
+    return results
+
+
+def test_keep_head_shards_with_a_kept_arena(pools):
+    for rank, results in enumerate(pools(4).run(_rank_kept_arena)):
+        for name, err in results:
+            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+
+
 @pytest.mark.parametrize("world, RU", [(3, (1, 3)), (4, (2, 2))])
 def test_keep_head_shards_alibi_mask_slices_allgather(pools, world, RU):
     for rank, results in enumerate(pools(world).run(_rank_more_options, RU)):
