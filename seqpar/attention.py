@@ -35,7 +35,6 @@ from .parallel.hybrid import (
     head_shards_forward,
     hybrid_backward,
     hybrid_forward,
-    keeps_token_shards,
     out_to_tokens,
     splits_at_heads,
     to_head_shards,
@@ -60,16 +59,15 @@ __all__ = [
 
 
 class _Attention(torch.autograd.Function):
-    """The eager autograd function of every call: :func:`hybrid_forward` forward, its backward
-    backward. Saves the shard's q, k, v, sinks, out and the LSEs, or with ``keep_head_shards``
-    the Ulysses head shards instead of q, k, v, out (Note [Ulysses memory])."""
+    """The eager autograd function of every call that does not split at the head shards
+    (:func:`_apply`): :func:`hybrid_forward` forward, its backward backward. Saves the shard's q,
+    k, v, sinks, out and the LSEs (Note [Ulysses memory]), and with ``keep_head_shards`` (only
+    with replicated rows here) the Ulysses head shards too."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall) -> Tensor:
         out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, q, k, v, sinks)
-        tokens = (q, k, v, out) if keeps_token_shards(call.setup) else (None,) * 4
-        ctx.save_for_backward(*tokens, sinks, lse_body, lse_replicated, *heads)
-        ctx.shapes = (q.shape, k.shape, v.shape)
+        ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated, *heads)
         ctx.setup = call.setup  # not the call: it holds q, k, v (Note [Head shards as a node])
         return out
 
@@ -77,9 +75,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
         q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
-        grads = hybrid_backward(
-            ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads), ctx.shapes
-        )
+        grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads))
         # No gradient for call.
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
 

@@ -40,7 +40,7 @@ from .ring import RingSetup
 from .ulysses import UlyssesSetup, heads_backward, heads_forward, ulysses_ring_backward, ulysses_ring_forward
 
 __all__ = [
-    "HybridSetup", "hybrid_forward", "hybrid_backward", "keeps_token_shards", "splits_at_heads", "to_head_shards",
+    "HybridSetup", "hybrid_forward", "hybrid_backward", "splits_at_heads", "to_head_shards",
     "head_grads_to_tokens", "head_shards_forward", "head_shards_backward", "out_to_tokens", "dout_to_heads",
 ]
 
@@ -77,12 +77,6 @@ def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, o
     return ulysses_ring_backward(
         dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes
     )
-
-
-def keeps_token_shards(setup: HybridSetup) -> bool:
-    """Whether the backward needs the token shards ``q, k, v, out`` (saved by the caller): always,
-    except under Ulysses with ``keep_head_shards`` and no replicated rows (Note [Ulysses memory])."""
-    return setup.ulysses is None or not setup.ulysses.keep_head_shards or setup.replicated is not None
 
 
 def splits_at_heads(setup: HybridSetup) -> bool:
@@ -211,8 +205,8 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
         S_ring_local)`` under Ulysses, ``(batch, nheads, S_local)`` without), ``lse_replicated``
         ``(batch, nheads, prefix + suffix)``, both in the accumulator dtype; ``heads`` the
         Ulysses head shards ``(q_u, k_u, v_u, out_u)`` with ``keep_head_shards``, else ``()``.
-        With the inputs (all of them, or only their shapes when :func:`keeps_token_shards` is
-        False) they are what :func:`hybrid_backward` needs.
+        With the inputs (or, given the head shards and no replicated rows, only the inputs'
+        shapes) they are what :func:`hybrid_backward` needs.
     """
     p, s = setup.prefix, setup.suffix
     if setup.replicated is None:
@@ -230,8 +224,9 @@ def _hybrid_backward(
     out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
     shapes: tuple[torch.Size, ...],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """One call's backward from :func:`hybrid_forward`'s results; no autograd. ``q, k, v, out``
-    may be None where :func:`keeps_token_shards` is False; ``shapes`` are then q's, k's, v's.
+    """One call's backward from :func:`hybrid_forward`'s results; no autograd. Given the head
+    shards ``heads`` and no replicated rows, ``q, k, v, out`` may be None; ``shapes`` are then
+    q's, k's, v's.
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
