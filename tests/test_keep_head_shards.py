@@ -24,6 +24,15 @@ from test_mla import TOL, _dense_case, _dense_cases, _packed_case, _packed_cases
 _SPLITS = {2: [(1, 2)], 3: [(1, 3)], 4: [(2, 2), (1, 4)]}
 
 
+def _assert_within_tol(per_rank: list[list[tuple[str, float]]], count: int | None = None) -> None:
+    """Every rank's ``(name, error)`` results at most ``TOL`` (and ``count`` of them, if given)."""
+    for rank, results in enumerate(per_rank):
+        if count is not None:
+            assert len(results) == count, (rank, results)
+        for name, err in results:
+            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+
+
 def _rank_matrix(world: int) -> list[tuple[str, float]]:
     results = []
     for RU in _SPLITS[world]:
@@ -40,10 +49,7 @@ def _rank_matrix(world: int) -> list[tuple[str, float]]:
 @pytest.mark.parametrize("world", sorted(_SPLITS))
 def test_keep_head_shards_matches_reference(pools, world):
     expected = sum(len(_dense_cases([RU])) + len(_packed_cases([RU])) for RU in _SPLITS[world])
-    for rank, results in enumerate(pools(world).run(_rank_matrix, world)):
-        assert len(results) == expected
-        for name, err in results:
-            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+    _assert_within_tol(pools(world).run(_rank_matrix, world), expected)
 
 
 def _rank_more_options(RU: tuple[int, int]) -> list[tuple[str, float]]:
@@ -108,17 +114,12 @@ def _rank_kept_arena() -> list[tuple[str, float]]:
 
 
 def test_keep_head_shards_with_a_kept_arena(pools):
-    for rank, results in enumerate(pools(4).run(_rank_kept_arena)):
-        for name, err in results:
-            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+    _assert_within_tol(pools(4).run(_rank_kept_arena), 3)
 
 
 @pytest.mark.parametrize("world, RU", [(3, (1, 3)), (4, (2, 2))])
 def test_keep_head_shards_alibi_mask_slices_allgather(pools, world, RU):
-    for rank, results in enumerate(pools(world).run(_rank_more_options, RU)):
-        assert len(results) == 4
-        for name, err in results:
-            assert err <= TOL, f"rank {rank}: {name}: error {err:.3g}"
+    _assert_within_tol(pools(world).run(_rank_more_options, RU), 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,9 +241,7 @@ def _rank_compiled() -> list[tuple[str, float]]:
 
 
 def test_keep_head_shards_compiled(pools):
-    for rank, results in enumerate(pools(2).run(_rank_compiled)):
-        for name, err in results:
-            assert err <= TOL, f"rank {rank}: {name}: {err:.3g}"
+    _assert_within_tol(pools(2).run(_rank_compiled), 8)
 
 
 def test_keep_head_shards_must_be_a_bool():
