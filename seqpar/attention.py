@@ -195,9 +195,9 @@ def attention(
 
     Returns:
         This rank's output shard in ``layout``, with q's shape and dtype except for the last dim,
-        v's head dim (``(batch, seqlen_local, nheads, headdim_v)`` in ``"bshd"``). With
-        ``ulysses_size > 1`` it may be non-contiguous (use ``reshape`` rather than ``view`` to
-        merge heads).
+        v's head dim (``(batch, seqlen_local, nheads, headdim_v)`` in ``"bshd"``), contiguous
+        in ``"bshd"`` order (a transposed view of it in the other layouts), so merging the heads
+        for an output projection is a view, not a copy.
 
     Raises:
         ValueError: non-tensor inputs or state; q, k, v of different dtypes or devices, not
@@ -281,7 +281,7 @@ def varlen_attention(
         sinks: ``(nheads,)`` sink logits.
 
     Returns:
-        ``(T_local, nheads, headdim_v)`` in q's dtype (with ``U > 1`` non-contiguous). Gradients
+        ``(T_local, nheads, headdim_v)`` in q's dtype, contiguous. Gradients
         are partial (the sum over the CP group is the true gradient of replicated tensors).
 
     Raises:

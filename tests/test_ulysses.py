@@ -245,3 +245,62 @@ def _rank_errors(_: None) -> list[str]:
 
 def test_ulysses_errors(pools):
     assert all(len(r) == 4 for r in pools(2).run(_rank_errors, None))
+
+
+# ---------------------------------------------------------------------------------------------
+# The output is a contiguous token shard: merging heads for the output projection is a view, and
+# a layer keeps one output-sized tensor for its backward, not the call's and a copy of it.
+
+
+def _rank_output_saved_once(keep: bool) -> list[tuple]:
+    """Per case: the output's contiguity and the bytes ``out_proj(attention(...).reshape(...))``
+    saves for backward (each storage once) minus what the attention call alone saves."""
+    world = dist.get_world_size()
+    results = []
+    for R, B, varlen in ((1, 1, False), (1, 2, False), (1, 1, True), (2, 1, False)):
+        if world % R or world // R < 2:
+            continue
+        state = ParallelState(R, world // R, keep_head_shards=keep)
+        gen = torch.Generator().manual_seed(0)
+        S, H, Hkv, D = 24 * world, 6, 2, 8
+        full = [torch.randn(B, S, h, D, generator=gen) for h in (H, Hkv, Hkv)]
+        weight = torch.randn(H * D, 16, generator=gen)
+        if varlen:
+            lens = [S // 3, S - S // 3]
+            q, k, v = (seqpar.shard_packed(t[0], state, lens).clone().requires_grad_() for t in full)
+            call = lambda: seqpar.varlen_attention(q, k, v, state, lens, causal=True)  # noqa: E731
+        else:
+            q, k, v = (seqpar.shard(t, state).clone().requires_grad_() for t in full)
+            call = lambda: seqpar.attention(q, k, v, state, causal=True, seq_len=S)  # noqa: E731
+
+        def saved_bytes(fn) -> int:
+            storages: dict[int, int] = {}
+
+            def pack(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                fn()
+            return sum(storages.values())
+
+        out = call()
+        merged = out.flatten(-2)  # [..., H * D]: a view when out is contiguous
+        layer = saved_bytes(lambda: call().flatten(-2) @ weight.requires_grad_())
+        alone = saved_bytes(call)
+        results.append(((R, B, varlen), out.is_contiguous(), merged.data_ptr() == out.data_ptr(),
+                        layer - alone, out.nbytes))
+        state.close()
+    return results
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_ulysses_output_is_contiguous_and_saved_once(pools, keep):
+    for world in (2, 4):
+        for rank, cases in enumerate(pools(world).run(_rank_output_saved_once, keep)):
+            assert cases, (world, rank)
+            for case, contiguous, view, extra, out_bytes in cases:
+                assert contiguous and view, (world, rank, case)
+                # The projection saves the merged output (and its weight, not a saved storage of the
+                # call): with the default mode that is the call's own saved output, so nothing more.
+                assert extra == (out_bytes if keep else 0) + 16 * 6 * 8 * 4, (world, rank, case, extra, out_bytes)

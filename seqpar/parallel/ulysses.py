@@ -122,13 +122,19 @@ class UlyssesSetup:
         return outs
 
     def to_tokens(self, xs: list[Tensor], num_heads: int) -> Tensor:
-        """All tokens of this rank's heads -> the token shard with all heads (a fresh tensor).
+        """All tokens of this rank's heads -> the token shard with all heads: a fresh,
+        contiguous ``[B, S_local, heads, d]`` tensor.
 
         ``xs`` holds the one input; it is emptied once staged, so the caller's last reference
-        can go before the output is allocated.
+        can go before the output is allocated. The all-to-all receives head-major (one block per
+        source rank's heads); the copy into token-major order is what every caller's next step
+        (merging heads for the output projection) needs, and done here it is the only copy: a
+        strided result made ``out.reshape(B, S, -1)`` copy it again, and the eager call's saved
+        output and that copy were both kept for the backward (one output-sized tensor per layer).
         """
-        return fused_all_to_all(xs, self.group, 1, 2, [self.token_ranges()], split_sizes(num_heads, len(self.heads)),
-                                workspace=self.workspace, release_inputs=True)[0]
+        out = fused_all_to_all(xs, self.group, 1, 2, [self.token_ranges()], split_sizes(num_heads, len(self.heads)),
+                               workspace=self.workspace, release_inputs=True)[0]
+        return out.contiguous()
 
     def grads_to_tokens(self, grads: list[Tensor], shapes: list[torch.Size], kinds: str) -> list[Tensor]:
         """Backward of :meth:`to_heads`: gradients of the token shards ``shapes`` (K/V heads sent
