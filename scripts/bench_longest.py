@@ -22,6 +22,7 @@ run inside a budget this shared machine can afford. The JSON report is the last 
 
     python scripts/bench_longest.py                                  # 2 x 2, 1 layer, budget 3.5 GiB
     python scripts/bench_longest.py --ring 1 --ulysses 4 --json longest.json
+    python scripts/bench_longest.py --ring 1 --ulysses 4 --keep-head-shards
     python scripts/bench_longest.py --device cuda --budget-gib 40 --lengths 8192,16384,32768
 """
 
@@ -32,7 +33,7 @@ import time
 
 import torch
 
-from seqpar.planner.memory import CPU_CALIBRATION, ModelShape, calibrate_from_fit, longest_context
+from seqpar.planner.memory import CPU_CALIBRATION, Calibration, ModelShape, calibrate_from_fit, longest_context
 from seqpar.tools.longest import StackConfig, measure_peak
 from seqpar.tools.one_rank import fake_world
 from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
@@ -86,6 +87,8 @@ def main() -> None:
                         help="train the embedding and lm-head (default: frozen)")
     parser.add_argument("--offload", action="store_true",
                         help="checkpointed layer inputs in pinned host memory (CUDA only; default: off)")
+    parser.add_argument("--keep-head-shards", action="store_true",
+                        help="ParallelState(keep_head_shards=True): Ulysses keeps the head shards (U > 1)")
     parser.add_argument("--lengths", default="256,512,1024,1536", help="tokens per rank of the fit, comma-separated")
     parser.add_argument("--budget-gib", type=float, default=3.5, help="the validation's memory budget per rank, GiB")
     parser.add_argument("--no-validate", action="store_true", help="fit only (default: validate too)")
@@ -98,7 +101,7 @@ def main() -> None:
                              hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                              ffn=args.ffn, vocab=args.vocab, dtype=args.dtype, device=args.device,
                              mlp_chunks=args.mlp_chunks, loss_chunk=args.loss_chunk, train_embeddings=args.train_embeddings,
-                             offload=args.offload)
+                             offload=args.offload, keep_head_shards=args.keep_head_shards)
         if args.budget_gib <= 0:
             raise ValueError(f"--budget-gib must be positive, got {args.budget_gib}")
     except ValueError as e:
@@ -111,8 +114,15 @@ def main() -> None:
     # The model's options for this run: one rank, no optimizer, nothing sharded (ZeRO 0).
     options = dict(ring=args.ring, ulysses=args.ulysses, dp=1, checkpointing=True, offload=args.offload,
                    tiled_loss=True, loss_chunk_tokens=args.loss_chunk, tiled_mlp_chunks=args.mlp_chunks, zero_stage=0, optimizer_bytes_per_param=0,
-                   train_embeddings=args.train_embeddings)
+                   train_embeddings=args.train_embeddings, keep_head_shards=args.keep_head_shards)
     budget = int(args.budget_gib * GiB)
+    derived_fixed = longest_context(shape, device_bytes=1 << 62, reserve_bytes=0,
+                                    calibration=Calibration(1.0, 0, "derived"), **options).fixed_bytes_per_rank
+    if budget <= derived_fixed:
+        # Checked before the runs: the fit would otherwise end with nothing that fits the budget.
+        parser.error(f"--budget-gib {args.budget_gib}: the fixed bytes of this stack alone are "
+                     f"{derived_fixed / GiB:.2f} GiB (parameters, the layer's gradients, the loss chunk; "
+                     f"{args.dtype}); pass a larger --budget-gib")
     start = time.perf_counter()
     runs: list[dict] = []
 

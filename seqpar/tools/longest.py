@@ -61,6 +61,7 @@ class StackConfig:
         loss_chunk: tokens per chunk of the tiled loss (``None``: the library's default).
         train_embeddings: whether the embedding and lm-head weights take gradients.
         offload: keep the checkpointed layer inputs in host memory (CUDA only).
+        keep_head_shards: ``ParallelState(keep_head_shards=True)`` (Note [Ulysses memory]).
         seed: of the weights and inputs.
     """
 
@@ -80,6 +81,7 @@ class StackConfig:
     loss_chunk: int | None = None
     train_embeddings: bool = False
     offload: bool = False
+    keep_head_shards: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,6 +100,8 @@ class StackConfig:
             raise ValueError(f"{where}: dtype={self.dtype!r}; valid: {sorted(_DTYPES)}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"{where}: device={self.device!r}; valid: 'cpu', 'cuda'")
+        if not isinstance(self.keep_head_shards, bool):
+            raise ValueError(f"{where}: keep_head_shards must be True or False, got {self.keep_head_shards!r}")
         if self.offload and self.device != "cuda":
             raise ValueError(f"{where}: offload=True moves activations from a CUDA device to the host; on the "
                              "CPU the host is the device (use device='cuda', or offload=False)")
@@ -197,7 +201,7 @@ def measure_peak(config: StackConfig, local_tokens: int) -> dict:
     dtype = _DTYPES[c.dtype]
     seq_len = local_tokens * c.ring * c.ulysses
     n = Placement.dense(seq_len, c.ring, c.ulysses).shard_lengths[c.cp_rank]
-    state = ParallelState(c.ring, c.ulysses, checks="never")
+    state = ParallelState(c.ring, c.ulysses, checks="never", keep_head_shards=c.keep_head_shards)
     torch.manual_seed(c.seed)
     try:
         with torch.device(device):
