@@ -75,10 +75,14 @@ def test_keep_head_shards_in_the_memory_model():
     m = ModelShape.llama3_8b()  # H = 32, Hkv = 8, D = 128, bf16
     kw = dict(ring=1, ulysses=8, device_bytes=80 * 10**9, tiled_mlp_chunks=16, calibration=UNIT)
     on, off = longest_context(m, keep_head_shards=True, **kw), longest_context(m, **kw)
-    # Checkpointed: the recomputed layer holds no token-sharded q, k, v (2 bytes x (32 + 2 * 8) x 128).
+    # Checkpointed: the recomputed layer saves q_u, k_u, v_u, out_u (4 + 1 + 1 + 4 heads on each of
+    # 8 ranks' tokens) instead of q, k, v, out (32 + 8 + 8 + 32), and the output projection keeps
+    # the shard's out (32) either way: 2 bytes x (80 + 32 - 80) x 128 more, exactly, unscaled.
     key = "one layer's working set (x layer_factor)"
-    assert off.per_token[key] - on.per_token[key] == 2 * (32 + 16) * 128
-    assert on.options["keep_head_shards"] and on.longest_tokens > off.longest_tokens
+    assert off.per_token[key] == on.per_token[key]
+    assert on.per_token["kept head shards (keep_head_shards)"] == 2 * 32 * 128
+    assert on.bytes_per_token_per_rank - off.bytes_per_token_per_rank == 2 * 32 * 128
+    assert on.options["keep_head_shards"] and on.longest_tokens < off.longest_tokens
     # Not checkpointed, Hkv = 8 = U (no K/V head sent twice): every layer saves out and the head
     # shards q_u, k_u, v_u, out_u instead of q, k, v, out: one more output per layer.
     saved = "saved activations, every layer"

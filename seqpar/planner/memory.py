@@ -38,10 +38,17 @@ What one rank of a long-context training step holds is a fixed part plus a part 
   outputs, the residual, incoming and outgoing gradients), the shard's q, k, v, out and their
   gradients, the log-sum-exps; with ``U > 1`` the head-sharded copies of q, k, v, out, dout and
   their staging (``U * ceil(H / U)`` query heads and ``U * kv`` K/V heads per local token, K/V
-  heads replicated where ``Hkv < U``; with ``keep_head_shards`` no token-sharded q, k, v), the
+  heads replicated where ``Hkv < U``), the
   fp32 dq, dk, dv accumulators; with ``R > 1`` the ring's
   K/V and dK/dV slots (two of each) and the fp32 dK/dV sum; and the MLP's chunk (``7 * F * e /
-  chunks``: gate, up, the activation and the product, and one gradient at a time).
+  chunks``: gate, up, the activation and the product, and one gradient at a time);
+- with ``keep_head_shards`` (``U > 1``), **exact**: the layer saves the head shards q_u, k_u,
+  v_u, out_u (``U * (2 * h + 2 * kv)`` heads per local token) instead of the shard's q, k, v, out,
+  while the output projection still saves the shard's out (with the default the call's saved out
+  *is* that tensor): ``U * (2 * h + 2 * kv) - H - 2 * Hkv`` heads of ``D * e`` bytes more, one
+  output (``H * D * e``) when ``Hkv`` is a multiple of ``U``. Measured on one rank of 1 x 4
+  (Llama-8B-shaped layer, fp32): +16,384 bytes per token, exactly ``32 * 128 * 4``. The option
+  trades these bytes for the backward's traffic; it never lengthens the context.
 
 ``layer_factor`` is how much of that nominal working set is alive at once, measured by
 ``scripts/bench_longest.py`` on one rank of a Llama-8B-shaped stack (Note
@@ -256,16 +263,20 @@ def _layer_saved(model: ModelShape, ulysses: int, mlp_chunks: int, keep_head_sha
     return saved
 
 
-def _layer_working_set(
-    model: ModelShape, ring: int, ulysses: int, mlp_chunks: int, keep_head_shards: bool = False
-) -> float:
+def _kept_head_shards(model: ModelShape, ulysses: int) -> int:
+    """Bytes per local token a checkpointed layer holds more with ``keep_head_shards``: the head
+    shards q_u, k_u, v_u, out_u saved instead of the shard's q, k, v, out, whose out the output
+    projection saves anyway (Note [Memory model])."""
+    h, kv = _ulysses_heads(model, ulysses)
+    return model.element_size * (ulysses * (2 * h + 2 * kv) - model.heads - 2 * model.kv_heads) * model.head_dim
+
+
+def _layer_working_set(model: ModelShape, ring: int, ulysses: int, mlp_chunks: int) -> float:
     """Derived bytes per local token of ONE layer's backward (Note [Memory model]), unscaled."""
     e, D, R, U = model.element_size, model.head_dim, ring, ulysses
     H, Hkv = model.heads, model.kv_heads
     w = e * 6 * model.hidden  # norm outputs, residual, incoming / outgoing gradients
     w += e * 2 * (2 * H + 2 * Hkv) * D  # q, k, v, out of the shard and their gradients
-    if U > 1 and keep_head_shards:
-        w -= e * (H + 2 * Hkv) * D  # the shard's q, k, v: nothing keeps them
     w += 4 * H  # log-sum-exps
     h, kv = _ulysses_heads(model, U) if U > 1 else (H, Hkv)
     if U > 1:
@@ -317,8 +328,9 @@ def longest_context(
         loss_chunk_tokens: its tokens per chunk (``None``: its default, ``2**24 // V``).
         tiled_mlp_chunks: ``TiledTokenwise`` chunks of the MLP (1: untiled).
         keep_head_shards: ``ParallelState(keep_head_shards=True)`` (``U > 1``): every layer saves
-            the Ulysses head shards instead of the shard's q, k, v (without checkpointing: more
-            bytes with ``Hkv < U``), and the working set holds no token-sharded q, k, v.
+            the Ulysses head shards q_u, k_u, v_u, out_u instead of the shard's q, k, v, out, while
+            the output projection still saves the shard's out: at least one output per token
+            more (more with ``Hkv < U``), checkpointed or not. Less traffic, never more context.
         zero_stage: 0 (replicated), 1 (optimizer sharded), 2 (+ gradients), 3 (+ parameters;
             FSDP), over the ``dp * R * U`` ranks.
         grad_bytes: bytes per gradient element (``None``: the model's element size).
@@ -383,7 +395,9 @@ def longest_context(
         loss_inputs += V * (4 + 4 + e)  # fp32 logits, their gradient, a copy in the model's dtype
     per_token["final hidden + loss inputs"] = float(loss_inputs)
     per_token["one layer's working set (x layer_factor)"] = (
-        cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks, keep_head_shards))
+        cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
+    if checkpointing and keep_head_shards and U > 1:
+        per_token["kept head shards (keep_head_shards)"] = float(_kept_head_shards(model, U))
     bytes_per_token = sum(per_token.values())
 
     # Fixed per rank.
