@@ -1,4 +1,5 @@
-"""Shared test constants: dtypes by name and the float tolerances against float64 references."""
+"""Shared test constants and helpers: dtypes by name, the float tolerances against float64
+references, and the bytes a computation saves for its backward."""
 
 import torch
 
@@ -7,3 +8,17 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # Max abs error against a float64 reference, relative to the reference's magnitude; half types are
 # judged by flash-attn's rule instead (error at most ~2x that of a same-dtype PyTorch computation).
 TOL = {"float64": 1e-10, "float32": 1e-4}
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the storages autograd saves for backward while ``fn()`` runs, each storage once
+    (views of one tensor count once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())

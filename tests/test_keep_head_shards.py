@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from _common import saved_bytes
 from seqpar import ParallelState
 from seqpar.backends import reference_attention
 
@@ -173,17 +174,9 @@ def _rank_saved(keep: bool, H: int, Hkv: int) -> int:
     """Bytes one call saves for its backward (each storage counted once)."""
     state = ParallelState(1, dist.get_world_size(), keep_head_shards=keep)
     q, k, v, _ = _one_call(state, S=64, H=H, Hkv=Hkv, D=8)
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = seqpar.attention(q, k, v, state, causal=True, seq_len=64)
-    del out
+    saved = saved_bytes(lambda: seqpar.attention(q, k, v, state, causal=True, seq_len=64))
     state.close()
-    return sum(storages.values())
+    return saved
 
 
 @pytest.mark.parametrize("H, Hkv", [(4, 4), (4, 1)])

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from _common import saved_bytes
 from seqpar import ParallelState, shard
 from seqpar.placement import offsets, split_sizes
 from seqpar.parallel.ulysses import ulysses_attention
@@ -272,17 +273,6 @@ def _rank_output_saved_once(keep: bool) -> list[tuple]:
         else:
             q, k, v = (seqpar.shard(t, state).clone().requires_grad_() for t in full)
             call = lambda: seqpar.attention(q, k, v, state, causal=True, seq_len=S)  # noqa: E731
-
-        def saved_bytes(fn) -> int:
-            storages: dict[int, int] = {}
-
-            def pack(t):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                fn()
-            return sum(storages.values())
 
         out = call()
         merged = out.flatten(-2)  # [..., H * D]: a view when out is contiguous
