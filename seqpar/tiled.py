@@ -81,7 +81,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if dh is not None:
                 dh[a:b] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if dw is not None:
-                dw += g.t() @ hidden[a:b].to(g.dtype)
+                # In place: ``dw += g.T @ h`` would allocate a second ``[V, hidden]`` product per chunk.
+                dw.addmm_(g.t(), hidden[a:b].to(g.dtype))
             del g
         # No gradient for target, chunk_size, ignore_index.
         return dh, None if dw is None else dw.to(weight.dtype), None, None, None

@@ -160,3 +160,20 @@ def test_linear_cross_entropy_share_matches_one_device(pools, world, splits):
     for chunk_size in (None, 3):
         for rank, errors in enumerate(pools(world).run(_rank_linear_ce, splits, chunk_size)):
             assert max(errors) < 1e-12, f"rank {rank}, splits {splits}, chunk {chunk_size}: {errors}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_sum_backward_holds_one_weight_gradient(dtype):
+    """The backward's peak: the fp32 weight-gradient accumulator, its cast (bf16) and one chunk --
+    never a second ``[V, hidden]`` product per chunk (``dw += g.T @ h`` allocated one)."""
+    T, V, hidden, chunk = 64, 4096, 256, 8
+    h = torch.randn(T, hidden, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, hidden, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, V, (T,))
+    loss = linear_cross_entropy_sum(h, w, target, chunk_size=chunk)
+    with StorageTracker() as mem:
+        loss.backward()
+    e = torch.empty((), dtype=dtype).element_size()
+    dw = V * hidden * (4 + (e if dtype != torch.float32 else 0))  # fp32 accumulator, its cast
+    one_chunk = chunk * V * (4 + 4 + e) + chunk * hidden * 8  # logits, softmax-grad, its cast, rows
+    assert dw + T * hidden * e <= mem.peak <= dw + T * hidden * e + one_chunk, (mem.peak, dw)
