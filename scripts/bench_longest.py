@@ -6,16 +6,18 @@ K/V heads of 128, FFN 14336, vocabulary 128256, bf16, --layers layers -- with ac
 checkpointing, the tiled loss (linear_cross_entropy) and the tiled MLP (TiledTokenwise), one
 forward+backward per length (Note [Longest-context measurement] in seqpar/tools/longest.py):
 
-1. measures the peak bytes at each of --lengths tokens per rank and fits peak = a + b * T by least
-   squares, then raises a by the largest positive residual (the upper envelope: no measured point
-   lies above the line, so the prediction errs on the side of fitting);
+1. measures the peak bytes at each of --lengths tokens per rank and fits peak = a + b * T: b the
+   larger of the least-squares slope and the last segment's, a raised until no measured point lies
+   above the line (the upper envelope: the prediction errs on the side of fitting);
 2. calibrates the model from that line (seqpar.planner.memory.calibrate_from_fit: the layer
-   factor from the slope, the overhead from the raised intercept);
+   factor from the slope, the overhead from the raised intercept); the line must be the model's
+   layer moment at every fitted length (a length where the loss's backward is the peak is refused);
 3. validates it: the predicted longest T for --budget-gib runs with a peak within the budget, and
    T * 1.1 does not (its measured peak exceeds the budget).
 
 On the CPU the peak is the peak of tensor storage (StorageTracker) plus the bytes alive before the
-step; on CUDA the allocator's high-water mark. The embedding and lm-head are frozen by default
+step (every trainable gradient allocated before it, as under gradient accumulation); on CUDA the
+allocator's high-water mark. The embedding and lm-head are frozen by default
 (--train-embeddings to train them), and there is no optimizer step: their gradient and optimizer
 bytes are static ones the model counts from the parameter count, and leaving them out keeps the
 run inside a budget this shared machine can afford. The JSON report is the last line.
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from seqpar.planner.memory import CPU_CALIBRATION, Calibration, ModelShape, calibrate_from_fit, longest_context
+from seqpar.planner.memory import CPU_CALIBRATION, ModelShape, calibrate_from_fit, derived, longest_context
 from seqpar.tools.longest import StackConfig, measure_peak
 from seqpar.tools.one_rank import fake_world
 from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
@@ -49,21 +51,28 @@ def _ints(text: str) -> list[int]:
 
 
 def _fit(points: list[tuple[int, int]]) -> tuple[float, float, float]:
-    """``peak = a + b * T``: the least-squares slope ``b`` with ``a`` raised to the upper envelope
-    (every point on or below the line). Returns ``(b, a, largest |residual| of the least-squares
-    line in bytes)``.
+    """``peak = a + b * T``: the slope ``b`` the larger of the least-squares slope and the last
+    segment's, with ``a`` raised to the upper envelope (every point on or below the line). Returns
+    ``(b, a, largest |residual| of the least-squares line in bytes)``.
 
     The envelope matters on a GPU: the allocator's peaks scatter by tens of MiB around the line
     (53 MiB on an H200 at 32k-98k tokens per rank), and a least-squares line then predicts a length
-    whose peak lands that much over the budget (20.032 GiB for a 20 GiB budget, measured).
+    whose peak lands that much over the budget (20.032 GiB for a 20 GiB budget, measured). The last
+    segment matters on the CPU: the peak is the largest of several moments' lines (convex in
+    ``T``), so the steepest one takes over at the longest lengths (fp32, 2 x 2, trained lm-head:
+    56,484 bytes per token between 8,192 and 9,216 tokens, 58,436 from there on, measured), and a
+    flatter least-squares slope lands the predicted length over the budget.
     """
+    points = sorted(points)
     n = len(points)
     mx = sum(t for t, _ in points) / n
     my = sum(p for _, p in points) / n
-    b = sum((t - mx) * (p - my) for t, p in points) / sum((t - mx) ** 2 for t, _ in points)
-    a = my - b * mx
-    residuals = [p - (a + b * t) for t, p in points]
-    return b, a + max(0.0, max(residuals)), max(abs(r) for r in residuals)
+    b_ls = sum((t - mx) * (p - my) for t, p in points) / sum((t - mx) ** 2 for t, _ in points)
+    residual = max(abs(p - (my + b_ls * (t - mx))) for t, p in points)
+    (t1, p1), (t2, p2) = points[-2:]
+    b = max(b_ls, (p2 - p1) / (t2 - t1))
+    a = max(p - b * t for t, p in points)
+    return b, a, residual
 
 
 def main() -> None:
@@ -90,6 +99,9 @@ def main() -> None:
     parser.add_argument("--keep-head-shards", action="store_true",
                         help="ParallelState(keep_head_shards=True): Ulysses keeps the head shards (U > 1)")
     parser.add_argument("--lengths", default="256,512,1024,1536", help="tokens per rank of the fit, comma-separated")
+    parser.add_argument("--check-lengths", default="",
+                        help="tokens per rank measured after the fit and compared with the model, not fitted "
+                             "(e.g. short lengths where the loss's backward is the peak), comma-separated")
     parser.add_argument("--budget-gib", type=float, default=3.5, help="the validation's memory budget per rank, GiB")
     parser.add_argument("--no-validate", action="store_true", help="fit only (default: validate too)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
@@ -97,6 +109,9 @@ def main() -> None:
     args = parser.parse_args()
     try:
         lengths = _ints(args.lengths)
+        checks = sorted({int(x) for x in args.check_lengths.split(",") if x.strip()})
+        if any(t < 1 for t in checks):
+            raise ValueError(f"--check-lengths needs positive token counts, got {args.check_lengths!r}")
         config = StackConfig(ring=args.ring, ulysses=args.ulysses, cp_rank=args.cp_rank, layers=args.layers,
                              hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                              ffn=args.ffn, vocab=args.vocab, dtype=args.dtype, device=args.device,
@@ -116,8 +131,7 @@ def main() -> None:
                    tiled_loss=True, loss_chunk_tokens=args.loss_chunk, tiled_mlp_chunks=args.mlp_chunks, zero_stage=0, optimizer_bytes_per_param=0,
                    train_embeddings=args.train_embeddings, keep_head_shards=args.keep_head_shards)
     budget = int(args.budget_gib * GiB)
-    derived_fixed = longest_context(shape, device_bytes=1 << 62, reserve_bytes=0,
-                                    calibration=Calibration(1.0, 0, "derived"), **options).fixed_bytes_per_rank
+    derived_fixed = max(m.fixed_bytes for m in derived(shape, **options).moments.values())
     if budget <= derived_fixed:
         # Checked before the runs: the fit would otherwise end with nothing that fits the budget.
         parser.error(f"--budget-gib {args.budget_gib}: the fixed bytes of this stack alone are "
@@ -136,15 +150,21 @@ def main() -> None:
     with fake_world(config.ring * config.ulysses, config.cp_rank, torch.device(args.device)):
         points = [(r["local_tokens"], r["peak_bytes"]) for r in (run(t, "fit") for t in lengths)]
         slope, intercept, residual = _fit(points)
-        cal = calibrate_from_fit(slope, intercept, shape, source=(
-            f"scripts/bench_longest.py --ring {args.ring} --ulysses {args.ulysses} --layers {args.layers} "
-            f"--lengths {args.lengths} ({args.device}, {args.dtype})"), **options)
+        try:
+            cal = calibrate_from_fit(slope, intercept, shape, fit_tokens=tuple(t for t, _ in points), source=(
+                f"scripts/bench_longest.py --ring {args.ring} --ulysses {args.ulysses} --layers {args.layers} "
+                f"--lengths {args.lengths} ({args.device}, {args.dtype})"), **options)
+        except ValueError as e:
+            measured = ", ".join(f"{t:,} tokens: {p / GiB:.3f} GiB" for t, p in points)
+            raise SystemExit(f"bench_longest: {e}\nmeasured peaks: {measured}") from None
         fresh = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=cal, **options)
         try:
             shipped = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=CPU_CALIBRATION,
                                       **options).longest_local_tokens
         except ValueError:
             shipped = 0  # the shipped calibration leaves nothing of the budget
+        for t in checks:
+            run(t, "check (not fitted)")
         validation = None
         if not args.no_validate:
             t_max = fresh.longest_local_tokens
@@ -159,16 +179,21 @@ def main() -> None:
             validation["passed"] = validation["fits"] and validation["over_exceeds"]
     seconds = time.perf_counter() - start
 
+    def moment(tokens: int) -> str:
+        return max(fresh.moments, key=lambda name: fresh.moments[name].bytes_at(tokens))
+
     rows = [[r["purpose"], f"{r['local_tokens']:,}", f"{r['seq_len']:,}", f"{r['peak_bytes'] / GiB:.3f}",
              f"{fresh.device_bytes_at(r['local_tokens']) / GiB:.3f}",
-             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}", f"{r['seconds']:.1f}"]
+             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}", moment(r["local_tokens"]),
+             f"{r['seconds']:.1f}"]
             for r in runs]
     text = (
         f"One rank ({args.cp_rank}) of ring {args.ring} x Ulysses {args.ulysses}: Llama-shaped stack, {args.layers} "
         f"layer(s), hidden {args.hidden}, H {args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, FFN {args.ffn}, "
         f"V {args.vocab}, {args.dtype} on {args.device}, MLP chunks {args.mlp_chunks}, "
         f"embeddings {'trained' if args.train_embeddings else 'frozen'}\n"
-        + table(["run", "T (per rank)", "S", "peak GiB", "model GiB", "measured / model", "seconds"], rows)
+        + table(["run", "T (per rank)", "S", "peak GiB", "model GiB", "measured / model", "model's moment",
+                 "seconds"], rows)
         + f"\n\nfit: {slope:,.0f} bytes per token + {intercept / GiB:.3f} GiB (upper envelope; largest residual "
         f"{residual / 2**20:.2f} MiB)\ncalibration: layer_factor {cal.layer_factor:.4f}, overhead "
         f"{cal.overhead_bytes / 2**20:+.1f} MiB (shipped CPU_CALIBRATION: {CPU_CALIBRATION.layer_factor:.4f}, "
@@ -192,7 +217,7 @@ def main() -> None:
         "prediction": {"bytes_per_token_per_rank": fresh.bytes_per_token_per_rank,
                        "fixed_bytes_per_rank": fresh.fixed_bytes_per_rank,
                        "longest_local_tokens": fresh.longest_local_tokens, "longest_tokens": fresh.longest_tokens,
-                       **fresh.breakdown},
+                       "limited_by_moment": fresh.limited_by_moment, "moments": fresh.breakdown},
         "validation": validation, "seconds": seconds,
     }
     notes = [

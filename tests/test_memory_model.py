@@ -33,29 +33,54 @@ def test_llama3_8b_parameter_count():
 def test_hand_checked_tiny_case():
     # e = 4. Layer: norms 2*8, q 8*8, k, v 2*8*4, o 8*8, MLP 3*8*16 = 592; P = 2*592 + 2*10*8 + 8 = 1352.
     assert TINY.layer_parameters == 592 and TINY.parameters == 1352
-    fixed = 1352 * 4 + 1352 * 4 + 1352 * 12 + 2 * 10 * 12 + 10 * 8 * 8  # params, grads, Adam, loss chunk, lm-head dW
-    # Per token: checkpoints 2*8*4; loss inputs 2*8*4 + 4 + 8 + 8; the layer: 6*8*4 (hidden-sized)
-    # + 2*(2*2 + 2*1)*4*4 (q, k, v, out and gradients) + 4*2 (lse) + 4*(2 + 2*1)*4 (fp32 dq, dk, dv)
-    # + 4*5*16 (the MLP, one chunk).
-    per_token = 64 + 84 + (192 + 192 + 8 + 64 + 320)
-    p = longest_context(TINY, device_bytes=fixed + 100 * per_token + per_token // 2, reserve_bytes=0, zero_stage=0,
-                        loss_chunk_tokens=2, calibration=UNIT)
-    assert p.fixed_bytes_per_rank == fixed
-    assert p.bytes_per_token_per_rank == per_token
-    assert (p.longest_local_tokens, p.longest_tokens, p.limited_by) == (100, 100, "device")
-    assert p.device_bytes_at(100) == fixed + 100 * per_token
-    # Ring 2 x Ulysses 2, ZeRO-3 over dp 2 x 4 = 8 ranks: state / 8, gathered layers, same per-token checkpoints.
+    common = 1352 * 4 + 1352 * 4 + 1352 * 12  # params, grads, Adam: alive at both moments
+    # The layer's moment, per token: checkpoints 2*8*4; ids and labels 16; the layer: 6*8*4
+    # (hidden-sized) + 2*(2*2 + 2*1)*4*4 (q, k, v, out and gradients) + 4*2 (lse) + 4*(2 + 2*1)*4
+    # (fp32 dq, dk, dv) + 4*5*16 (the MLP, one chunk).
+    layer = 64 + 16 + (192 + 192 + 8 + 64 + 320)
+    # The loss's moment: the fp32 lm-head gradient 10*8*4 and one chunk's fp32 logits 2*10*4 (fp32:
+    # no casts); per token checkpoints, ids and labels, the final norm's input, normalized input and
+    # output, the output's gradient (4*8*4), lse and masks (8).
+    loss_fixed, loss = 320 + 80, 64 + 16 + 4 * 8 * 4 + 8
+    layer_fixed = 0  # unsharded: nothing gathered
+    p = longest_context(TINY, device_bytes=common + layer_fixed + 100 * layer + layer // 2, reserve_bytes=0,
+                        zero_stage=0, loss_chunk_tokens=2, calibration=UNIT)
+    assert p.moments["layer"].fixed_bytes == common + layer_fixed and p.moments["layer"].bytes_per_token == layer
+    assert p.moments["loss"].fixed_bytes == common + loss_fixed and p.moments["loss"].bytes_per_token == loss
+    assert (p.fixed_bytes_per_rank, p.bytes_per_token_per_rank) == (common + layer_fixed, layer)
+    assert (p.longest_local_tokens, p.longest_tokens, p.limited_by, p.limited_by_moment) == (100, 100, "device", "layer")
+    assert p.device_bytes_at(100) == common + layer_fixed + 100 * layer
+    assert p.device_bytes_at(0) == common + max(layer_fixed, 320)  # no tokens: no chunk of logits
+    assert p.moments["loss"].bytes_at(1) == common + 320 + 40 + loss  # one token: a chunk of 1, not 2
+    assert p.moments["loss"].bytes_at(3) == common + loss_fixed + 3 * loss
+    # Ring 2 x Ulysses 2, ZeRO-3 over dp 2 x 4 = 8 ranks: state / 8; two gathered layers and one
+    # layer's gradient at the layer's moment, the gathered lm-head at the loss's.
     q = longest_context(TINY, ring=2, ulysses=2, dp=2, device_bytes=10**6, reserve_bytes=0, loss_chunk_tokens=2,
                         calibration=UNIT)
     assert q.fixed["parameters"] == 1352 * 4 / 8 and q.fixed["optimizer state"] == 1352 * 12 / 8
-    assert q.fixed["ZeRO-3 gathered layers"] == 2 * 592 * 4 + 592 * 4 + 10 * 8 * 4
+    assert q.moments["layer"].fixed["ZeRO-3 gathered layers"] == 2 * 592 * 4 + 592 * 4
+    assert q.moments["loss"].fixed["ZeRO-3 gathered lm-head"] == 10 * 8 * 4
     assert q.per_token["layer inputs (checkpoints)"] == 64
     assert q.longest_tokens == 4 * q.longest_local_tokens
-    # The calibration scales the layer's working set only.
+    # The calibration scales the layer's working set and adds its overhead to a layer's moment only.
     half = longest_context(TINY, device_bytes=10**6, zero_stage=0, loss_chunk_tokens=2, reserve_bytes=0,
                            calibration=Calibration(0.5, 1000, "x"))
     assert half.per_token["one layer's working set (x layer_factor)"] == 776 / 2
-    assert half.fixed["overhead (measured)"] == 1000
+    assert half.moments["layer"].fixed["overhead (measured)"] == 1000
+    assert "overhead (measured)" not in half.moments["loss"].fixed
+    # A vocabulary-heavy model without the tiled loss: the [T, V] logits make the loss's moment the limit.
+    wide = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=1000, dtype=torch.float32)
+    u = longest_context(wide, device_bytes=10**7, reserve_bytes=0, zero_stage=0, tiled_loss=False, calibration=UNIT)
+    assert u.limited_by_moment == "loss" and u.bytes_per_token_per_rank == loss + 1000 * 12
+    assert u.moments["loss"].fixed["lm-head gradient"] == 1000 * 8 * 4  # by autograd, in the model's dtype
+    assert u.longest_local_tokens == (10**7 - u.moments["loss"].fixed_bytes) // (loss + 1000 * 12)
+    assert "loss's moment" in u.table() and "layer moment" in u.table()
+    # bf16: the fp32 accumulator, then one chunk's logits (fp32 and bf16) or dW's bf16 cast; the
+    # final norm keeps fp32 copies (measured: 14 bytes per hidden element and token, 8 more).
+    bf16 = longest_context(ModelShape.llama3_8b(), ulysses=8, device_bytes=80 * 10**9, offload=True).moments["loss"]
+    assert bf16.fixed["lm-head gradient (fp32 accumulator)"] == 128256 * 4096 * 4
+    assert bf16.fixed["loss chunk, or dW's cast after it"] == max(130 * 128256 * 6, 128256 * 4096 * 2)
+    assert bf16.per_token["final norm + loss inputs, their gradient"] == 4096 * 14 + 8
 
 
 def test_offload_moves_the_checkpoints_to_the_host():
@@ -170,15 +195,28 @@ def test_calibration_reproduces_a_measured_line():
     p = longest_context(m, device_bytes=4 * GiB, reserve_bytes=0, calibration=truth, **options)
     cal = calibrate_from_fit(p.bytes_per_token_per_rank, p.fixed_bytes_per_rank, m, source="fit", **options)
     assert cal.layer_factor == pytest.approx(0.7) and cal.overhead_bytes == 12345
-    with pytest.raises(ValueError, match="not above the exact per-token terms"):
+    with pytest.raises(ValueError, match="not above the layer moment's exact per-token terms"):
         calibrate_from_fit(100.0, 0.0, m, source="fit", **options)
+    # A line measured where the loss's backward is the peak (trained lm-head: its fp32 gradient,
+    # short lengths) is not a layer's working set: refused at the lengths where that shows.
+    trained = dict(options, train_embeddings=True)
+    t = longest_context(m, device_bytes=8 * GiB, reserve_bytes=0, calibration=truth, **trained)
+    line = t.moments["layer"]
+    loss = t.moments["loss"]
+    crossing = (loss.fixed_bytes - line.fixed_bytes) / (line.bytes_per_token - loss.bytes_per_token)
+    fitted = calibrate_from_fit(line.bytes_per_token, line.fixed_bytes, m, source="fit",
+                                fit_tokens=(int(crossing) + 1, 4 * int(crossing)), **trained)
+    assert fitted.layer_factor == pytest.approx(0.7)
+    with pytest.raises(ValueError, match=f"at {int(crossing) // 2:,} tokens per rank the model puts the peak at the loss"):
+        calibrate_from_fit(line.bytes_per_token, line.fixed_bytes, m, source="fit",
+                           fit_tokens=(int(crossing) // 2, 4 * int(crossing)), **trained)
 
 
 def test_top_level_export():
     assert seqpar.longest_context is longest_context
     p = seqpar.longest_context(ModelShape.llama3_8b(), ulysses=8, device_bytes=80 * 10**9, offload=True,
                                tiled_mlp_chunks=16)
-    assert "longest" in p.table() and p.breakdown["fixed"]["parameters"] > 0
+    assert "longest" in p.table() and p.breakdown["layer"]["fixed"]["parameters"] > 0
 
 
 def test_bench_longest_tiny_measured_against_predicted(tmp_path):
@@ -203,8 +241,9 @@ def test_bench_longest_tiny_measured_against_predicted(tmp_path):
 
 
 def test_bench_longest_fit_is_the_upper_envelope():
-    """The fitted line keeps the least-squares slope and rises until no measured peak lies above
-    it (a prediction from it errs on the side of fitting); exact points give the exact line."""
+    """The fitted line takes the larger of the least-squares and the last segment's slope and rises
+    until no measured peak lies above it (a prediction from it errs on the side of fitting); exact
+    points give the exact line."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_longest", ROOT / "scripts" / "bench_longest.py")
@@ -217,3 +256,10 @@ def test_bench_longest_fit_is_the_upper_envelope():
     assert max(p - (intercept + slope * t) for t, p in points) == pytest.approx(0.0, abs=1e-6)
     assert residual == pytest.approx(190_000.0)
     assert module._fit([(1, 10), (3, 30)]) == pytest.approx((10.0, 0.0, 0.0), abs=1e-9)
+    # Convex peaks (a steeper moment takes over): the last segment's slope, every point below.
+    convex = [(8192, 1_114_071_224), (9216, 1_171_910_840), (10240, 1_231_749_304)]  # measured, fp32
+    slope, intercept, _ = module._fit(convex)
+    assert slope == pytest.approx(58_436.0)
+    assert all(p <= intercept + slope * t + 1e-6 for t, p in convex)
+    assert 1_289_425_636 <= intercept + slope * 11227 <= 1.002 * 1_289_425_636  # measured at 11,227 tokens
+    assert module._fit(convex[:2] + [(10240, 1_231_749_304 - 10**6)])[0] < 58_436  # concave: least squares

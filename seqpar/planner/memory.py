@@ -2,37 +2,45 @@
 
 Note [Memory model]
 ~~~~~~~~~~~~~~~~~~~
-What one rank of a long-context training step holds is a fixed part plus a part linear in its
-``T`` local tokens (``T = S / (R * U)`` for a sequence of ``S`` tokens over ring ``R`` x Ulysses
-``U``)::
+A training step's peak on one rank is reached at one of two **moments**, and the model prices
+both and takes the larger: the **loss's** (the end of the tiled loss's backward, before any
+layer's: the lm-head's fp32 gradient and one chunk of logits, next to the final hidden states) and
+a **layer's** (one layer recomputed and back-propagating, once the loss's tensors are freed). Each
+is a fixed part plus a part linear in the rank's ``T`` local tokens (``T = S / (R * U)`` for a
+sequence of ``S`` tokens over ring ``R`` x Ulysses ``U``)::
 
-    device(T) = reserve + fixed + T * per_token        host(T) = T * host_per_token
+    device(T) = reserve + max(layer.fixed + T * layer.per_token, loss.fixed + T * loss.per_token)
+    host(T) = T * host_per_token
 
-**Fixed** (bytes per rank; derived from the parameter count ``P`` unless said otherwise):
+Adding the two (as this model did before) charged the lm-head's fp32 gradient, 2 GiB for
+Llama-3-8B, to the layer's moment, where it is not alive (Note [Tiled token-wise work] in
+``seqpar/tiled.py``).
+
+**At both moments** (bytes per rank unless said; derived from the parameter count ``P``):
 
 - parameters, gradients, optimizer state: ``P * (element size)``, ``P * grad_bytes``,
   ``P * optimizer_bytes_per_param`` (12: fp32 master weights and Adam's two moments), each divided
   by the ``dp * R * U`` ranks that shard it under ZeRO stage 3, 2 and 1 respectively (FSDP over
-  the whole world, ``docs/howto-fsdp.md``); frozen embeddings take no gradient or optimizer state;
-- ZeRO-3's gathered copies: two layers' parameters (the running one and the prefetched one),
-  one layer's unsharded gradients, and the gathered lm-head weight during the loss;
-- the tiled loss (``seqpar.training.linear_cross_entropy``): one chunk's ``[chunk, V]`` fp32
-  logits, their fp32 gradient and a copy in the model's dtype; with trainable embeddings the
-  lm-head gradient, which that function accumulates in fp32 ``[V, hidden]`` and casts once;
-- ``overhead``: **measured** (``Calibration.overhead_bytes``): what the measured fixed bytes
-  exceed the derived ones by;
+  the whole world, ``docs/howto-fsdp.md``); frozen embeddings take no gradient or optimizer state.
+  Every gradient is counted as alive, as in a step of gradient accumulation (an upper estimate
+  for a step that starts without gradients);
+- per token: the checkpointed layer inputs, ``L * hidden * e``, **exact** (on the host with
+  ``offload``: ``torch.autograd.graph.save_on_cpu`` around checkpointed layers,
+  ``docs/long-context.md``), or without checkpointing every layer's saved activations (derived,
+  not calibrated); the ids and labels (16 bytes);
 - ``reserve``: **not measured here**, an input (CUDA context, NCCL buffers, allocator
   fragmentation).
 
-**Per token** (bytes per local token; ``e`` the element size, ``hidden``, ``H``, ``Hkv``, ``D``,
-``F`` (FFN), ``V``, ``L`` layers):
+**A layer's moment** adds, with ``e`` the element size, ``hidden``, ``H``, ``Hkv``, ``D``, ``F``
+(FFN), ``V``, ``L`` layers:
 
-- checkpointed layer inputs: ``L * hidden * e``, **exact**; on the host with ``offload``
-  (``torch.autograd.graph.save_on_cpu`` around checkpointed layers, ``docs/long-context.md``);
-  without checkpointing every layer's saved activations instead (derived, not calibrated);
-- the loss's inputs: the last layer's output and the final norm's (``2 * hidden * e``), the
-  per-token log-sum-exp (4 bytes), labels and ids (8 bytes each), **exact**; untiled, the
-  ``[T, V]`` fp32 logits, their gradient and a copy in the model's dtype instead;
+- ZeRO-3's two gathered layers (the running one and the prefetched one) and the running layer's
+  unsharded gradients;
+- ``overhead``: **measured** (``Calibration.overhead_bytes``): what the measured fixed bytes of a
+  layer's moment exceed the derived ones by. It holds what depends on where in the layer the peak
+  falls, e.g. the weight gradients autograd sums over the MLP's chunks before adding them to
+  ``.grad`` when the peak is in the MLP's backward (counted again by ZeRO-3's unsharded gradients:
+  an upper estimate there);
 - ONE layer's working set at the peak of its backward (recompute, then gradients), **derived
   then scaled by the measured** ``Calibration.layer_factor``: six hidden-sized tensors (norm
   outputs, the residual, incoming and outgoing gradients), the shard's q, k, v, out and their
@@ -40,8 +48,8 @@ What one rank of a long-context training step holds is a fixed part plus a part 
   their staging (``U * ceil(H / U)`` query heads and ``U * kv`` K/V heads per local token, K/V
   heads replicated where ``Hkv < U``), the
   fp32 dq, dk, dv accumulators; with ``R > 1`` the ring's
-  K/V and dK/dV slots (two of each) and the fp32 dK/dV sum; and the MLP's chunk (``7 * F * e /
-  chunks``: gate, up, the activation and the product, and one gradient at a time);
+  K/V and dK/dV slots (two of each) and the fp32 dK/dV sum; and the MLP's chunk (``5 * F * e /
+  chunks``: its intermediates and one gradient);
 - with ``keep_head_shards`` (``U > 1``), **exact**: the layer saves the head shards q_u, k_u,
   v_u, out_u (``U * (2 * h + 2 * kv)`` heads per local token) instead of the shard's q, k, v, out,
   while the output projection still saves the shard's out (with the default the call's saved out
@@ -50,13 +58,27 @@ What one rank of a long-context training step holds is a fixed part plus a part 
   (Llama-8B-shaped layer, fp32): +16,384 bytes per token, exactly ``32 * 128 * 4``. The option
   trades these bytes for the backward's traffic; it never lengthens the context.
 
-``layer_factor`` is how much of that nominal working set is alive at once, measured by
+**The loss's moment** adds, **derived** whole, no measured overhead (the CPU measurements of
+``tests/test_tiled.py`` and ``docs/performance.md`` match it within 0.3%):
+
+- ZeRO-3's gathered lm-head weight (``V * hidden * e``);
+- the tiled loss (``seqpar.training.linear_cross_entropy``): with a trained lm-head its fp32
+  gradient accumulator ``[V, hidden]``, then the larger of one chunk's logits (fp32, and their cast
+  for half dtypes: ``chunk * V * (4 + e)``) and the accumulator's cast to ``e`` after the loop;
+  frozen, the chunk alone. Untiled, the lm-head's gradient in ``e`` and per token the ``[T, V]``
+  fp32 logits, their gradient and a copy in the model's dtype;
+- per token: the final norm's saved tensors (its input, the fp32 normalized input and, for half
+  dtypes, the input's fp32 copy), its output (the loss's input) and that output's gradient:
+  ``hidden * (3 * e + 4 + (4 if e < 4))`` bytes, plus 8 (the log-sum-exp and masks).
+
+``layer_factor`` is how much of the layer's nominal working set is alive at once, measured by
 ``scripts/bench_longest.py`` on one rank of a Llama-8B-shaped stack (Note
 [Longest-context measurement] in ``seqpar/tools/longest.py``): the slope of the measured peak over
-``T`` minus the exact per-token terms, over the derived working set. The longest context is the
-largest ``T`` with ``device(T) <= device_bytes`` (and ``host(T) <= host_bytes`` when given);
-``S = T * R * U``. ``docs/performance.md`` ("Longest context: the memory model") has the
-calibration, the validation run and the predictions for Llama-3-8B.
+``T`` (at lengths where a layer's moment is the peak) minus the exact per-token terms, over the
+derived working set. The longest context is the largest ``T`` with ``device(T) <= device_bytes``
+(and ``host(T) <= host_bytes`` when given); ``S = T * R * U``. ``docs/performance.md`` ("Longest
+context: the memory model") has the calibration, the validation run and the predictions for
+Llama-3-8B.
 """
 
 from __future__ import annotations
@@ -66,7 +88,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "MemoryPrediction", "longest_context", "calibrate_from_fit"]
+__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "Moment", "MemoryPrediction", "longest_context",
+           "calibrate_from_fit"]
 
 GiB = 2**30
 
@@ -162,14 +185,50 @@ class Calibration:
 
 
 # Measured by scripts/bench_longest.py on this project's CPU machine (bf16, one layer of a
-# Llama-8B-shaped stack, MLP in 8 chunks; docs/performance.md, "Longest context: the memory model"):
-# the largest layer factor of the CP splits 2 x 2, 1 x 4, 4 x 1 (0.558, 0.631, 0.710; measured after
-# the change that keeps no buffers between calls) and the overhead of the 2 x 2 fit.
+# Llama-8B-shaped stack, MLP in 8 chunks, frozen embedding and lm-head; docs/performance.md,
+# "Longest context: the memory model"), refitted to the two moments of Note [Memory model] from the
+# same measured lines: the largest layer factor of the CP splits (4 x 1: slope 136,340 bytes per
+# token; 2 x 2 and 1 x 4 read 0.60 and 0.67 with the contiguous Ulysses output) and the overhead of
+# the 2 x 2 line (intercept 3,124,789,432 bytes), raised by the layer's gradients (436,232,192
+# bytes) that run allocated during the step rather than before it (measured in fp32: allocating
+# them first raises the line by their bytes and leaves the slope unchanged).
 CPU_CALIBRATION = Calibration(
-    layer_factor=0.7103,
-    overhead_bytes=-15_754_056,
-    source="scripts/bench_longest.py, CPU, bf16, 2 x 2 / 1 x 4 / 4 x 1, one Llama-8B-shaped layer",
+    layer_factor=0.8145,
+    overhead_bytes=587_210_936,
+    source="scripts/bench_longest.py, CPU, bf16, 2 x 2 / 1 x 4 / 4 x 1, one Llama-8B-shaped layer (two moments)",
 )
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What one rank holds at one moment of a training step (Note [Memory model]): ``fixed``
+    bytes per rank and ``per_token`` bytes per local token, term by term.
+
+    ``short`` names fixed terms that shrink for short sequences: ``{name: (n, bytes_per_token,
+    floor)}`` is ``max(min(T, n) * bytes_per_token, floor)`` at ``T`` tokens (the tiled loss's
+    chunk holds ``min(T, chunk)`` tokens); ``fixed[name]`` is its value for ``T >= n``.
+    """
+
+    fixed: dict[str, float]
+    per_token: dict[str, float]
+    short: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+
+    @property
+    def fixed_bytes(self) -> float:
+        """The sum of the fixed terms (bytes per rank)."""
+        return sum(self.fixed.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        """The sum of the per-token terms (bytes per local token)."""
+        return sum(self.per_token.values())
+
+    def bytes_at(self, local_tokens: int) -> float:
+        """Bytes of this moment at ``local_tokens`` tokens per rank (reserve excluded)."""
+        total = self.fixed_bytes + local_tokens * self.bytes_per_token
+        for name, (n, per_token, floor) in self.short.items():
+            total += max(min(local_tokens, n) * per_token, floor) - self.fixed[name]
+        return total
 
 
 @dataclass(frozen=True)
@@ -180,14 +239,16 @@ class MemoryPrediction:
         model: the shape.
         ring, ulysses, dp: ``R``, ``U`` and the data-parallel replicas.
         device_bytes, reserve_bytes, host_bytes: the inputs (``host_bytes`` ``None``: unbounded).
-        bytes_per_token_per_rank: device bytes per local token.
+        bytes_per_token_per_rank: device bytes per local token at the moment that sets the limit.
         host_bytes_per_token_per_rank: host bytes per local token (offloaded checkpoints).
-        fixed_bytes_per_rank: device bytes independent of the length, ``reserve`` excluded.
+        fixed_bytes_per_rank: device bytes independent of the length at that moment, ``reserve``
+            excluded.
         longest_local_tokens: the largest ``T`` that fits (0 if none).
         longest_tokens: the longest sequence ``S = T * R * U``.
         limited_by: ``"device"`` or ``"host"`` memory.
-        per_token: the per-token terms (bytes per local token), by name.
-        fixed: the fixed terms (bytes per rank), by name.
+        limited_by_moment: ``"layer"`` (a layer's recompute and backward) or ``"loss"`` (the
+            loss's backward): the moment whose device bytes reach ``device_bytes`` first.
+        moments: ``{"layer": Moment, "loss": Moment}``, every term of both.
         options: the training options the prediction assumed.
         calibration: the measured constants used.
     """
@@ -205,32 +266,53 @@ class MemoryPrediction:
     longest_local_tokens: int
     longest_tokens: int
     limited_by: str
-    per_token: dict[str, float] = field(repr=False)
-    fixed: dict[str, float] = field(repr=False)
+    limited_by_moment: str
+    moments: dict[str, Moment] = field(repr=False)
     options: dict[str, object] = field(repr=False)
     calibration: Calibration = field(repr=False)
 
     @property
-    def breakdown(self) -> dict[str, dict[str, float]]:
-        """``{"per_token": ..., "fixed": ...}``: every term by name."""
-        return {"per_token": dict(self.per_token), "fixed": dict(self.fixed)}
+    def per_token(self) -> dict[str, float]:
+        """The per-token terms of the moment that sets the limit."""
+        return dict(self.moments[self.limited_by_moment].per_token)
+
+    @property
+    def fixed(self) -> dict[str, float]:
+        """The fixed terms of the moment that sets the limit."""
+        return dict(self.moments[self.limited_by_moment].fixed)
+
+    @property
+    def breakdown(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{moment: {"per_token": ..., "fixed": ...}}``: every term of both moments by name."""
+        return {name: {"per_token": dict(m.per_token), "fixed": dict(m.fixed)} for name, m in self.moments.items()}
 
     def device_bytes_at(self, local_tokens: int) -> float:
-        """Predicted peak device bytes of the rank at ``local_tokens`` tokens, reserve included."""
-        return self.reserve_bytes + self.fixed_bytes_per_rank + local_tokens * self.bytes_per_token_per_rank
+        """Predicted peak device bytes of the rank at ``local_tokens`` tokens: the larger moment,
+        reserve included."""
+        return self.reserve_bytes + max(m.bytes_at(local_tokens) for m in self.moments.values())
 
     def table(self) -> str:
-        """The terms and the result as a readable table."""
+        """Both moments' terms and the result as a readable table."""
+        names = list(self.moments)
         lines = [f"{self.ring} x {self.ulysses} (dp {self.dp}), device {self.device_bytes / GiB:.1f} GiB:",
-                 f"  {'per token (bytes/local token)':<42}{'device':>12}"]
-        for name, b in self.per_token.items():
-            lines.append(f"  {name:<42}{b:>12,.0f}")
-        lines.append(f"  {'fixed (GiB per rank)':<42}")
-        for name, b in self.fixed.items():
-            lines.append(f"  {name:<42}{b / GiB:>12.3f}")
-        lines.append(f"  {'reserve (not measured; an input)':<42}{self.reserve_bytes / GiB:>12.3f}")
+                 f"  {'per token (bytes/local token)':<44}" + "".join(f"{n + ' moment':>14}" for n in names)]
+
+        def rows(kind: str, scale: float, fmt: str) -> None:
+            keys = list(dict.fromkeys(k for m in self.moments.values() for k in getattr(m, kind)))
+            keys.sort(key=lambda k: k == "overhead (measured)")  # last, after every derived term
+            for k in keys:
+                cells = [getattr(self.moments[n], kind).get(k) for n in names]
+                lines.append(f"  {k:<44}" + "".join(f"{'--':>14}" if c is None else f"{c / scale:>14{fmt}}"
+                                                    for c in cells))
+
+        rows("per_token", 1, ",.0f")
+        lines.append(f"  {'  sum':<44}" + "".join(f"{self.moments[n].bytes_per_token:>14,.0f}" for n in names))
+        lines.append(f"  {'fixed (GiB per rank)':<44}")
+        rows("fixed", GiB, ".3f")
+        lines.append(f"  {'  sum':<44}" + "".join(f"{self.moments[n].fixed_bytes / GiB:>14.3f}" for n in names))
+        lines.append(f"  {'reserve (not measured; an input)':<44}{self.reserve_bytes / GiB:>14.3f}")
         lines.append(f"  longest: {self.longest_local_tokens:,} tokens per rank, {self.longest_tokens:,} tokens "
-                     f"(limited by {self.limited_by} memory)")
+                     f"(limited by {self.limited_by} memory at the {self.limited_by_moment}'s moment)")
         return "\n".join(lines)
 
 
@@ -340,8 +422,9 @@ def longest_context(
         calibration: the measured constants (default :data:`CPU_CALIBRATION`).
 
     Returns:
-        :class:`MemoryPrediction`: ``bytes_per_token_per_rank``, ``fixed_bytes_per_rank``,
-        ``longest_tokens``, the breakdown.
+        :class:`MemoryPrediction`: ``bytes_per_token_per_rank``, ``fixed_bytes_per_rank`` and
+        ``limited_by_moment`` of the moment that sets the limit, ``longest_tokens``, every
+        moment's terms (``moments``).
 
     Raises:
         ValueError: a non-positive size, an unknown ZeRO stage, ``offload`` without
@@ -377,58 +460,89 @@ def longest_context(
     g = model.element_size if grad_bytes is None else grad_bytes
     world = dp * R * U
 
-    # Per local token.
-    per_token: dict[str, float] = {}
+    # Alive at both moments: the sharded training state, the checkpoints, the ids and labels.
+    P = model.parameters
+    trainable = P if train_embeddings else P - model.embedding_parameters
+    common_fixed: dict[str, float] = {
+        "parameters": P * e / (world if zero_stage >= 3 else 1),
+        "gradients": trainable * g / (world if zero_stage >= 2 else 1),
+        "optimizer state": trainable * optimizer_bytes_per_param / (world if zero_stage >= 1 else 1),
+    }
+    common_per_token: dict[str, float] = {}
     host_per_token = 0.0
     if checkpointing:
         ckpt = float(model.layers * hid * e)
         if offload:
             host_per_token += ckpt
-            per_token["layer inputs (checkpoints)"] = 0.0
+            common_per_token["layer inputs (checkpoints)"] = 0.0
         else:
-            per_token["layer inputs (checkpoints)"] = ckpt
+            common_per_token["layer inputs (checkpoints)"] = ckpt
     else:
-        per_token["saved activations, every layer"] = model.layers * _layer_saved(
+        common_per_token["saved activations, every layer"] = model.layers * _layer_saved(
             model, U, tiled_mlp_chunks, keep_head_shards)
-    loss_inputs = 2 * hid * e + 4 + 8 + 8
-    if not tiled_loss:
-        loss_inputs += V * (4 + 4 + e)  # fp32 logits, their gradient, a copy in the model's dtype
-    per_token["final hidden + loss inputs"] = float(loss_inputs)
-    per_token["one layer's working set (x layer_factor)"] = (
+    common_per_token["ids and labels (int64)"] = 16.0
+    overhead = {"overhead (measured)": float(cal.overhead_bytes)}
+
+    # The layer's moment: one layer recomputes and back-propagates.
+    layer_fixed = dict(common_fixed)
+    if zero_stage == 3 and world > 1:
+        # The running layer and the prefetched one, and the running layer's unsharded gradients
+        # (reduce-scattered once its backward ends).
+        layer = model.layer_parameters
+        layer_fixed["ZeRO-3 gathered layers"] = float(2 * layer * e + layer * g)
+    layer_per_token = dict(common_per_token)
+    layer_per_token["one layer's working set (x layer_factor)"] = (
         cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
     if checkpointing and keep_head_shards and U > 1:
-        per_token["kept head shards (keep_head_shards)"] = float(_kept_head_shards(model, U))
-    bytes_per_token = sum(per_token.values())
+        layer_per_token["kept head shards (keep_head_shards)"] = float(_kept_head_shards(model, U))
 
-    # Fixed per rank.
-    P = model.parameters
-    trainable = P if train_embeddings else P - model.embedding_parameters
-    fixed: dict[str, float] = {
-        "parameters": P * e / (world if zero_stage >= 3 else 1),
-        "gradients": trainable * g / (world if zero_stage >= 2 else 1),
-        "optimizer state": trainable * optimizer_bytes_per_param / (world if zero_stage >= 1 else 1),
-    }
+    # The loss's moment: the end of the loss's backward, before any layer's.
+    loss_fixed = dict(common_fixed)
     if zero_stage == 3 and world > 1:
-        layer = model.layer_parameters
-        fixed["ZeRO-3 gathered layers"] = 2 * layer * e + layer * g + V * hid * e
+        loss_fixed["ZeRO-3 gathered lm-head"] = float(V * hid * e)
+    acc = max(4, e)  # the tiled loss computes logits and accumulates dW in at least fp32
+    cast = e if e < 4 else 0  # ... and casts to the model's dtype
+    short: dict[str, tuple[int, float, float]] = {}
     if tiled_loss:
         chunk = loss_chunk_tokens if loss_chunk_tokens is not None else max(1, (1 << 24) // V)
-        fixed["tiled loss chunk"] = float(chunk * V * (4 + 4 + e))
-    if train_embeddings:
-        fixed["lm-head gradient (fp32 + cast)"] = float(V * hid * (4 + g))
-    fixed["overhead (measured)"] = float(cal.overhead_bytes)
-    fixed_bytes = sum(fixed.values())
+        if train_embeddings:
+            loss_fixed["lm-head gradient (fp32 accumulator)"] = float(V * hid * acc)
+            # One chunk's logits (and their cast) in the loop, or dW's cast after it: never both.
+            name, floor = "loss chunk, or dW's cast after it", float(V * hid * cast)
+        else:
+            name, floor = "loss chunk", 0.0
+        loss_fixed[name] = max(float(chunk * V * (acc + cast)), floor)
+        short[name] = (chunk, float(V * (acc + cast)), floor)  # a shorter sequence is one shorter chunk
+    elif train_embeddings:
+        loss_fixed["lm-head gradient"] = float(V * hid * e)
+    loss_per_token = dict(common_per_token)
+    # nn.RMSNorm saves its input, the normalized input (in fp32) and, for half dtypes, the input's
+    # fp32 copy; the loss saves the norm's output; its gradient; the lse and masks (8 bytes).
+    final = hid * (3 * e + 4 + (4 if e < 4 else 0)) + 8
+    if not tiled_loss:
+        final += V * (4 + 4 + e)  # fp32 logits, their gradient, a copy in the model's dtype
+    loss_per_token["final norm + loss inputs, their gradient"] = float(final)
 
-    free = device_bytes - reserve_bytes - fixed_bytes
-    if free < bytes_per_token:
-        raise ValueError(
-            f"{where}: nothing fits: the fixed bytes per rank ({fixed_bytes / GiB:.2f} GiB: "
-            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in fixed.items())
-            + f") plus reserve_bytes ({reserve_bytes / GiB:.2f} GiB) leave {max(free, 0) / GiB:.2f} GiB of "
-            f"device_bytes={device_bytes / GiB:.2f} GiB; shard more (zero_stage=3, more ranks) or use a larger device"
-        )
-    local = int(free // bytes_per_token)
-    limited_by = "device"
+    # The measured overhead is a layer's: the loss's moment is derived whole (Note [Memory model]).
+    moments = {
+        "layer": Moment(fixed={**layer_fixed, **overhead}, per_token=layer_per_token),
+        "loss": Moment(fixed=loss_fixed, per_token=loss_per_token, short=short),
+    }
+    budget = device_bytes - reserve_bytes
+    fits = {}
+    for name, m in moments.items():
+        free = budget - m.fixed_bytes
+        if free < m.bytes_per_token:
+            raise ValueError(
+                f"{where}: nothing fits: at the {name}'s moment the fixed bytes per rank "
+                f"({m.fixed_bytes / GiB:.2f} GiB: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in m.fixed.items())
+                + f") plus reserve_bytes ({reserve_bytes / GiB:.2f} GiB) leave {max(free, 0) / GiB:.2f} GiB of "
+                f"device_bytes={device_bytes / GiB:.2f} GiB; shard more (zero_stage=3, more ranks) or use a larger "
+                "device"
+            )
+        fits[name] = int(free // m.bytes_per_token)
+    moment = min(fits, key=lambda name: (fits[name], name != "layer"))
+    local, limited_by = fits[moment], "device"
     if host_bytes is not None and host_per_token > 0 and host_bytes // host_per_token < local:
         local, limited_by = int(host_bytes // host_per_token), "host"
     options = dict(checkpointing=checkpointing, offload=offload, tiled_loss=tiled_loss,
@@ -438,32 +552,55 @@ def longest_context(
                    train_embeddings=train_embeddings)
     return MemoryPrediction(
         model=model, ring=R, ulysses=U, dp=dp, device_bytes=device_bytes, reserve_bytes=reserve_bytes,
-        host_bytes=host_bytes, bytes_per_token_per_rank=bytes_per_token, host_bytes_per_token_per_rank=host_per_token,
-        fixed_bytes_per_rank=fixed_bytes, longest_local_tokens=local, longest_tokens=local * R * U,
-        limited_by=limited_by, per_token=per_token, fixed=fixed, options=options, calibration=cal,
+        host_bytes=host_bytes, bytes_per_token_per_rank=moments[moment].bytes_per_token,
+        host_bytes_per_token_per_rank=host_per_token, fixed_bytes_per_rank=moments[moment].fixed_bytes,
+        longest_local_tokens=local, longest_tokens=local * R * U, limited_by=limited_by,
+        limited_by_moment=moment, moments=moments, options=options, calibration=cal,
     )
 
 
+def derived(model: ModelShape, **options) -> MemoryPrediction:
+    """:func:`longest_context` with the working set unscaled, no measured overhead and no
+    reserve on an unbounded device: the derived terms of both moments (``options``: its other
+    arguments)."""
+    return longest_context(model, **{**options, "reserve_bytes": 0, "device_bytes": 1 << 62,
+                                     "calibration": Calibration(1.0, 0, "derived")})
+
+
 def calibrate_from_fit(
-    slope: float, intercept: float, model: ModelShape, *, source: str, **options
+    slope: float, intercept: float, model: ModelShape, *, source: str, fit_tokens: tuple[int, ...] = (),
+    **options
 ) -> Calibration:
-    """The :class:`Calibration` that makes :func:`longest_context` reproduce a measured line.
+    """The :class:`Calibration` that makes :func:`longest_context`'s layer moment reproduce a
+    measured line.
 
     ``slope`` (bytes per local token) and ``intercept`` (bytes) come from a least-squares fit of
     measured peaks over local tokens (``scripts/bench_longest.py``); ``options`` are the
-    :func:`longest_context` arguments of the measured run (``reserve_bytes`` is taken as 0).
+    :func:`longest_context` arguments of the measured run (``reserve_bytes`` is taken as 0). The
+    line must be the layer's moment: with ``fit_tokens`` (the measured lengths) given, a length at
+    which the calibrated model puts the peak at the loss's moment is refused.
 
     Raises:
-        ValueError: a slope at or below the exact per-token terms (no working set left to scale).
+        ValueError: a slope at or below the layer moment's exact per-token terms (no working set
+            left to scale), or a fitted length where the loss's moment is the peak.
     """
-    base = longest_context(model, **{**options, "reserve_bytes": 0, "device_bytes": 1 << 62,
-                                     "calibration": Calibration(1.0, 0, "derived")})
-    layer = base.per_token["one layer's working set (x layer_factor)"]
-    exact = base.bytes_per_token_per_rank - layer
+    base = derived(model, **options)
+    layer = base.moments["layer"]
+    ws = layer.per_token["one layer's working set (x layer_factor)"]
+    exact = layer.bytes_per_token - ws
     if slope <= exact:
-        raise ValueError(f"calibrate_from_fit: the measured slope {slope:,.0f} B/token is not above the exact "
-                         f"per-token terms ({exact:,.0f} B/token); the run does not match the options")
-    derived_fixed = base.fixed_bytes_per_rank
-    return Calibration(layer_factor=(slope - exact) / layer, overhead_bytes=round(intercept - derived_fixed),
-                       source=source)
-
+        raise ValueError(f"calibrate_from_fit: the measured slope {slope:,.0f} B/token is not above the layer "
+                         f"moment's exact per-token terms ({exact:,.0f} B/token); the run does not match the options")
+    cal = Calibration(layer_factor=(slope - exact) / ws, overhead_bytes=round(intercept - layer.fixed_bytes),
+                      source=source)
+    loss = base.moments["loss"]
+    for t in fit_tokens:
+        at_loss = loss.bytes_at(t)
+        at_layer = intercept + t * slope
+        if at_loss > at_layer:
+            raise ValueError(
+                f"calibrate_from_fit: at {t:,} tokens per rank the model puts the peak at the loss's moment "
+                f"({at_loss / GiB:.3f} GiB derived, against the fitted layer line's {at_layer / GiB:.3f} GiB), so "
+                "the fit does not measure a layer's working set; fit at longer lengths (or with frozen embeddings)"
+            )
+    return cal

@@ -22,7 +22,9 @@ The stack is what a long-context training step holds on one rank, built from seq
   ``torch.autograd.graph.save_on_cpu`` (on the CPU the host *is* the device: refused).
 
 One step is a forward and a backward (no optimizer step: optimizer state is static bytes that the
-model counts from the parameter count). The peak is ``seqpar.tools.profiling.PeakMemory``'s: on
+model counts from the parameter count), with every trainable parameter's gradient already
+allocated (zeros), as in a step of gradient accumulation: the model counts the gradients as alive
+throughout the step. The peak is ``seqpar.tools.profiling.PeakMemory``'s: on
 CUDA the allocator's high-water mark, on the CPU ``StorageTracker``'s peak of tensor storage
 created in the step plus the bytes alive before it (parameters, ids, labels); kernel scratch that
 never becomes a tensor is not seen on the CPU. Each length runs on a fresh ``ParallelState``
@@ -185,7 +187,7 @@ def measure_peak(config: StackConfig, local_tokens: int) -> dict:
 
     Returns:
         ``local_tokens``, ``seq_len``, ``peak_bytes`` (before + in-step peak), ``before_bytes``
-        (parameters, ids, labels), ``in_step_peak_bytes``, ``param_bytes``, ``seconds``,
+        (parameters, their gradients, ids, labels), ``in_step_peak_bytes``, ``param_bytes``, ``seconds``,
         ``measured_by``, ``config``.
 
     Raises:
@@ -210,7 +212,13 @@ def measure_peak(config: StackConfig, local_tokens: int) -> dict:
         ids = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
         labels = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
         param_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
-        before = param_bytes + ids.nbytes + labels.nbytes
+        # Every gradient exists before the step, as under gradient accumulation (the memory model's
+        # "gradients" term is alive at both of its moments).
+        for p in stack.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in stack.parameters() if p.grad is not None)
+        before = param_bytes + grad_bytes + ids.nbytes + labels.nbytes
         gc.collect()
         t0 = time.perf_counter()
         with PeakMemory(device) as mem:
