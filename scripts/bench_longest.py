@@ -179,12 +179,9 @@ def main() -> None:
             validation["passed"] = validation["fits"] and validation["over_exceeds"]
     seconds = time.perf_counter() - start
 
-    def moment(tokens: int) -> str:
-        return max(fresh.moments, key=lambda name: fresh.moments[name].bytes_at(tokens))
-
     rows = [[r["purpose"], f"{r['local_tokens']:,}", f"{r['seq_len']:,}", f"{r['peak_bytes'] / GiB:.3f}",
              f"{fresh.device_bytes_at(r['local_tokens']) / GiB:.3f}",
-             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}", moment(r["local_tokens"]),
+             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}", fresh.moment_at(r["local_tokens"]),
              f"{r['seconds']:.1f}"]
             for r in runs]
     text = (

@@ -50,6 +50,7 @@ def test_hand_checked_tiny_case():
     assert (p.fixed_bytes_per_rank, p.bytes_per_token_per_rank) == (common + layer_fixed, layer)
     assert (p.longest_local_tokens, p.longest_tokens, p.limited_by, p.limited_by_moment) == (100, 100, "device", "layer")
     assert p.device_bytes_at(100) == common + layer_fixed + 100 * layer
+    assert p.moment_at(100) == "layer"
     assert p.device_bytes_at(0) == common + max(layer_fixed, 320)  # no tokens: no chunk of logits
     assert p.moments["loss"].bytes_at(1) == common + 320 + 40 + loss  # one token: a chunk of 1, not 2
     assert p.moments["loss"].bytes_at(3) == common + loss_fixed + 3 * loss
@@ -72,6 +73,7 @@ def test_hand_checked_tiny_case():
     wide = ModelShape(layers=2, hidden=8, heads=2, kv_heads=1, head_dim=4, ffn=16, vocab=1000, dtype=torch.float32)
     u = longest_context(wide, device_bytes=10**7, reserve_bytes=0, zero_stage=0, tiled_loss=False, calibration=UNIT)
     assert u.limited_by_moment == "loss" and u.bytes_per_token_per_rank == loss + 1000 * 12
+    assert u.moment_at(u.longest_local_tokens) == "loss"
     assert u.moments["loss"].fixed["lm-head gradient"] == 1000 * 8 * 4  # by autograd, in the model's dtype
     assert u.longest_local_tokens == (10**7 - u.moments["loss"].fixed_bytes) // (loss + 1000 * 12)
     assert "loss's moment" in u.table() and "layer moment" in u.table()

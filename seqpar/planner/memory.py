@@ -88,6 +88,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tiled import default_chunk_size
+
 __all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "Moment", "MemoryPrediction", "longest_context",
            "calibrate_from_fit"]
 
@@ -286,10 +288,14 @@ class MemoryPrediction:
         """``{moment: {"per_token": ..., "fixed": ...}}``: every term of both moments by name."""
         return {name: {"per_token": dict(m.per_token), "fixed": dict(m.fixed)} for name, m in self.moments.items()}
 
+    def moment_at(self, local_tokens: int) -> str:
+        """The moment (``"layer"`` or ``"loss"``) that holds the most at ``local_tokens`` tokens."""
+        return max(self.moments, key=lambda name: self.moments[name].bytes_at(local_tokens))
+
     def device_bytes_at(self, local_tokens: int) -> float:
         """Predicted peak device bytes of the rank at ``local_tokens`` tokens: the larger moment,
         reserve included."""
-        return self.reserve_bytes + max(m.bytes_at(local_tokens) for m in self.moments.values())
+        return self.reserve_bytes + self.moments[self.moment_at(local_tokens)].bytes_at(local_tokens)
 
     def table(self) -> str:
         """Both moments' terms and the result as a readable table."""
@@ -481,7 +487,6 @@ def longest_context(
         common_per_token["saved activations, every layer"] = model.layers * _layer_saved(
             model, U, tiled_mlp_chunks, keep_head_shards)
     common_per_token["ids and labels (int64)"] = 16.0
-    overhead = {"overhead (measured)": float(cal.overhead_bytes)}
 
     # The layer's moment: one layer recomputes and back-propagates.
     layer_fixed = dict(common_fixed)
@@ -490,6 +495,8 @@ def longest_context(
         # (reduce-scattered once its backward ends).
         layer = model.layer_parameters
         layer_fixed["ZeRO-3 gathered layers"] = float(2 * layer * e + layer * g)
+    # The measured overhead is a layer's: the loss's moment is derived whole (Note [Memory model]).
+    layer_fixed["overhead (measured)"] = float(cal.overhead_bytes)
     layer_per_token = dict(common_per_token)
     layer_per_token["one layer's working set (x layer_factor)"] = (
         cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
@@ -504,7 +511,8 @@ def longest_context(
     cast = e if e < 4 else 0  # ... and casts to the model's dtype
     short: dict[str, tuple[int, float, float]] = {}
     if tiled_loss:
-        chunk = loss_chunk_tokens if loss_chunk_tokens is not None else max(1, (1 << 24) // V)
+        # The library's default chunk for a sequence longer than one chunk (``short`` covers shorter).
+        chunk = loss_chunk_tokens if loss_chunk_tokens is not None else default_chunk_size(1 << 62, V)
         if train_embeddings:
             loss_fixed["lm-head gradient (fp32 accumulator)"] = float(V * hid * acc)
             # One chunk's logits (and their cast) in the loop, or dW's cast after it: never both.
@@ -523,9 +531,8 @@ def longest_context(
         final += V * (4 + 4 + e)  # fp32 logits, their gradient, a copy in the model's dtype
     loss_per_token["final norm + loss inputs, their gradient"] = float(final)
 
-    # The measured overhead is a layer's: the loss's moment is derived whole (Note [Memory model]).
     moments = {
-        "layer": Moment(fixed={**layer_fixed, **overhead}, per_token=layer_per_token),
+        "layer": Moment(fixed=layer_fixed, per_token=layer_per_token),
         "loss": Moment(fixed=loss_fixed, per_token=loss_per_token, short=short),
     }
     budget = device_bytes - reserve_bytes

@@ -24,10 +24,10 @@ The stack is what a long-context training step holds on one rank, built from seq
 One step is a forward and a backward (no optimizer step: optimizer state is static bytes that the
 model counts from the parameter count), with every trainable parameter's gradient already
 allocated (zeros), as in a step of gradient accumulation: the model counts the gradients as alive
-throughout the step. The peak is ``seqpar.tools.profiling.PeakMemory``'s: on
-CUDA the allocator's high-water mark, on the CPU ``StorageTracker``'s peak of tensor storage
-created in the step plus the bytes alive before it (parameters, ids, labels); kernel scratch that
-never becomes a tensor is not seen on the CPU. Each length runs on a fresh ``ParallelState``
+throughout the step. The peak is ``seqpar.tools.profiling.PeakMemory``'s: on CUDA the allocator's
+high-water mark, on the CPU ``StorageTracker``'s peak of tensor storage created in the step plus the
+bytes alive before it (parameters, gradients, ids, labels); kernel scratch that never becomes a
+tensor is not seen on the CPU. Each length runs on a fresh ``ParallelState``
 (``checks="never"``), so its workspace is created, and counted, inside the step.
 """
 
