@@ -15,9 +15,10 @@ forward+backward per length (Note [Longest-context measurement] in seqpar/tools/
 3. validates it: the predicted longest T for --budget-gib runs with a peak within the budget, and
    T * 1.1 does not (its measured peak exceeds the budget).
 
-On the CPU the peak is the peak of tensor storage (StorageTracker) plus the bytes alive before the
-step (every trainable gradient allocated before it, as under gradient accumulation); on CUDA the
-allocator's high-water mark. The embedding and lm-head are frozen by default
+On the CPU the peak is the CPU allocator's (AllocatorTracker: torch.profiler's memory events, kernel
+scratch included; --storage-tracker for the tensor-storage peak of earlier calibrations) plus the
+bytes alive before the step (every trainable gradient allocated before it, as under gradient
+accumulation); on CUDA the allocator's high-water mark. The embedding and lm-head are frozen by default
 (--train-embeddings to train them), and there is no optimizer step: their gradient and optimizer
 bytes are static ones the model counts from the parameter count, and leaving them out keeps the
 run inside a budget this shared machine can afford. The JSON report is the last line.
@@ -98,6 +99,9 @@ def main() -> None:
                         help="checkpointed layer inputs in pinned host memory (CUDA only; default: off)")
     parser.add_argument("--keep-head-shards", action="store_true",
                         help="ParallelState(keep_head_shards=True): Ulysses keeps the head shards (U > 1)")
+    parser.add_argument("--storage-tracker", action="store_true",
+                        help="CPU: measure the peak of tensor storage (StorageTracker, a dispatch mode: no kernel "
+                             "scratch, gradients summed out of place) instead of the CPU allocator's")
     parser.add_argument("--lengths", default="256,512,1024,1536", help="tokens per rank of the fit, comma-separated")
     parser.add_argument("--check-lengths", default="",
                         help="tokens per rank measured after the fit and compared with the model, not fitted "
@@ -142,7 +146,7 @@ def main() -> None:
 
     def run(tokens: int, purpose: str) -> dict:
         progress("bench_longest", f"{purpose}: {tokens} tokens per rank ({config.ring} x {config.ulysses})")
-        r = measure_peak(config, tokens)
+        r = measure_peak(config, tokens, allocator=not args.storage_tracker)
         r["purpose"] = purpose
         runs.append(r)
         return r
@@ -220,7 +224,7 @@ def main() -> None:
     notes = [
         f"{seconds:.0f} s in all, {args.threads} thread(s)",
         "peak: " + runs[0]["measured_by"] + ("; kernel scratch that never becomes a tensor is not seen"
-                                             if args.device == "cpu" else ""),
+                                             if args.device == "cpu" and args.storage_tracker else ""),
         "frozen embedding and lm-head, no optimizer step: the model's options for this run are zero_stage=0, "
         "optimizer_bytes_per_param=0, train_embeddings=False" if not args.train_embeddings else None,
     ]

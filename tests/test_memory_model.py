@@ -222,21 +222,23 @@ def test_top_level_export():
 
 
 def test_bench_longest_tiny_measured_against_predicted(tmp_path):
-    """A tiny stack (hidden 64) on 2 x 2: the fitted line predicts a 3x longer run within 3%, and
-    the validation (predicted longest fits, +10% does not) passes."""
+    """A tiny stack (hidden 64) on 2 x 2: the fitted line predicts a 2x longer run within 3%, and
+    the validation (predicted longest fits, +10% does not) passes. The CPU allocator's peak (kernel
+    scratch included) is linear in the length from 1,024 tokens per rank on; below it the CPU flash
+    kernel's block sizes change with the length, and its scratch with them (measured)."""
     out = tmp_path / "longest.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "scripts/bench_longest.py", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-         "--head-dim", "16", "--ffn", "224", "--vocab", "1000", "--loss-chunk", "32", "--lengths", "256,512,1024",
+         "--head-dim", "16", "--ffn", "224", "--vocab", "1000", "--loss-chunk", "32", "--lengths", "1024,1536,2048",
          "--budget-gib", "0.012", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     report = json.loads(out.read_text()) if out.exists() else None
     assert report is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     v = report["validation"]
-    assert v["predicted_local_tokens"] >= 3 * 1024, v  # well beyond the fitted lengths
+    assert v["predicted_local_tokens"] >= 2 * 2048, v  # well beyond the fitted lengths
     assert v["peak_at_predicted"] == pytest.approx(v["predicted_peak_at_predicted"], rel=0.03), v
     assert proc.returncode == 0 and v["passed"], proc.stdout[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])["validation"]["passed"]

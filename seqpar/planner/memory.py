@@ -193,7 +193,9 @@ class Calibration:
 # token; 2 x 2 and 1 x 4 read 0.60 and 0.67 with the contiguous Ulysses output) and the overhead of
 # the 2 x 2 line (intercept 3,124,789,432 bytes), raised by the layer's gradients (436,232,192
 # bytes) that run allocated during the step rather than before it (measured in fp32: allocating
-# them first raises the line by their bytes and leaves the slope unchanged).
+# them first raises the line by their bytes and leaves the slope unchanged). Its peaks were read by
+# StorageTracker; on the same layer in fp32 the CPU allocator (AllocatorTracker, now the script's
+# default) reads the same intercept and a 6.6-9.9% lower slope, so the factor errs high.
 CPU_CALIBRATION = Calibration(
     layer_factor=0.8145,
     overhead_bytes=587_210_936,

@@ -10,11 +10,15 @@ Memory: ``StorageTracker`` is a ``TorchDispatchMode``: every ATen op run while i
 inspected, and each storage that an op's outputs bring into existence (not a view of, or an
 in-place/out= write to, an input) is counted -- ``allocated`` sums them, ``current``/``peak``
 follow the ones still alive (weak references), so ``peak`` is the high-water mark of tensor
-memory created inside the block. Kernel scratch that never becomes a tensor is not seen.
-Collectives that write into preallocated outputs allocate nothing of their own. ``PeakMemory``
-picks a peak measure per device (the CUDA allocator's, ``StorageTracker``'s, or the resident
-set's) and is how ``seqpar.tools`` and ``scripts/`` read a peak; ``maxrss_bytes`` is the process's
-resident high-water mark since it started.
+memory created inside the block. Kernel scratch that never becomes a tensor is not seen, and the
+mode changes what it measures a little: every tensor gets a Python object, under which autograd
+sums the gradients of a tensor used several times out of place (one extra temporary per use).
+Collectives that write into preallocated outputs allocate nothing of their own.
+``AllocatorTracker`` reads the CPU allocator's own blocks from ``torch.profiler``'s memory events
+instead: scratch included, nothing changed. ``PeakMemory`` picks a peak measure per device (the
+CUDA allocator's, ``StorageTracker``'s, ``AllocatorTracker``'s or the resident set's) and is how
+``seqpar.tools`` and ``scripts/`` read a peak; ``maxrss_bytes`` is the process's resident
+high-water mark since it started.
 
 Communication: ``CollectiveRecorder`` counts the ``torch.distributed`` collectives called while it
 is active, and the bytes handed to them.
@@ -36,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
+    "AllocatorTracker",
     "CollectiveRecorder",
     "PeakMemory",
     "PhaseTimer",
@@ -229,6 +234,59 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+class AllocatorTracker:
+    """Bytes the CPU allocator hands out while active, read from ``torch.profiler``'s memory events.
+
+    Every block PyTorch's CPU allocator (``c10``) allocates or frees while the profiler runs with
+    ``profile_memory=True`` is an event; their running sum is the bytes allocated inside the block
+    and still alive. Unlike :class:`StorageTracker` this sees a kernel's internal scratch too, and
+    it adds nothing to the tensors it measures: a ``TorchDispatchMode`` gives every tensor a Python
+    object, which (measured) makes autograd sum a weight's gradients from several uses out of
+    place, a weight-sized temporary per use, where without the mode it adds in place. Frees of
+    blocks allocated before the block are not reported (torch warns once), so the figures are of
+    what the block allocated, as :class:`StorageTracker`'s.
+
+    Attributes:
+        allocated: total bytes of every allocation (freed or not).
+        current: bytes allocated inside the block and alive at its exit.
+        peak: the largest running total seen.
+
+    Example::
+
+        with AllocatorTracker() as mem:
+            loss.backward()
+        print(mem.peak)
+    """
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.current = 0
+        self.peak = 0
+        self._profiler = None
+
+    def __enter__(self) -> AllocatorTracker:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            return
+        cpu = torch.autograd.DeviceType.CPU
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+        current = peak = allocated = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):  # stable: same-time events keep their order
+            n = e.nbytes()
+            allocated += max(n, 0)
+            current += n
+            peak = max(peak, current)
+        self.allocated, self.current, self.peak = allocated, current, peak
+
+
 def maxrss_bytes() -> int:
     """The resident-set high-water mark of this process since it started (``ru_maxrss``), in
     bytes (Unix)."""
@@ -277,8 +335,11 @@ class PeakMemory:
 
     * CUDA: the caching allocator's high-water mark (``torch.cuda.max_memory_allocated``), the
       device synchronised at both ends -- every tensor and workspace allocated through PyTorch.
-    * CPU, ``resident=False``: :class:`StorageTracker`'s ``peak`` -- storages created by ATen
-      ops while they are alive; not a kernel's internal scratch.
+    * CPU, by default: :class:`StorageTracker`'s ``peak`` -- storages created by ATen ops while
+      they are alive; not a kernel's internal scratch.
+    * CPU, ``allocator=True``: :class:`AllocatorTracker`'s ``peak`` -- every block of the CPU
+      allocator, kernel scratch included, read from ``torch.profiler``'s memory events; unlike a
+      dispatch mode it does not change how autograd sums gradients (long-context measurements).
     * CPU, ``resident=True`` (Linux, glibc): the resident-set high-water mark (``VmHWM``, reset
       through ``/proc/self/clear_refs``) minus the resident set at the start -- all memory the
       process touches (tensors, kernel scratch, other threads), at page granularity, after
@@ -296,21 +357,25 @@ class PeakMemory:
         print(mem.peak)
     """
 
-    def __init__(self, device: torch.device, *, resident: bool = False) -> None:
-        self.device, self.resident = torch.device(device), resident
+    def __init__(self, device: torch.device, *, resident: bool = False, allocator: bool = False) -> None:
+        if resident and allocator:
+            raise ValueError("PeakMemory: resident=True and allocator=True are two measures; pick one")
+        self.device, self.resident, self.allocator = torch.device(device), resident, allocator
         self.peak: int | None = None
         self.start_bytes: int | None = None
         self._base: int | None = None
         self._end: int | None = None
-        self._tracker: StorageTracker | None = None
+        self._tracker: StorageTracker | AllocatorTracker | None = None
 
     def held(self) -> int | None:
         """Bytes of what the block allocated that are still held: on CUDA those allocated at its
         exit above its start; on the CPU (``resident=False``) the storages it created that are
-        alive now. ``peak - held()`` is the block's transient memory. ``None`` for the resident
-        set."""
-        if self._tracker is not None:
+        alive now (``allocator=True``: alive at its exit). ``peak - held()`` is the block's
+        transient memory. ``None`` for the resident set."""
+        if isinstance(self._tracker, StorageTracker):
             self._tracker._sweep()
+            return self._tracker.current
+        if isinstance(self._tracker, AllocatorTracker):
             return self._tracker.current
         if self.device.type == "cuda" and self._end is not None and self._base is not None:
             return self._end - self._base
@@ -330,7 +395,7 @@ class PeakMemory:
             except OSError:
                 self._base = None
         else:
-            self._tracker = StorageTracker().__enter__()
+            self._tracker = (AllocatorTracker() if self.allocator else StorageTracker()).__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
