@@ -106,10 +106,9 @@ class _Direct(torch.autograd.Function):
         return (*grads, None, None, None, None, None)  # no gradient for the options
 
 
-def _peak(run, device: torch.device, allocator: bool = False) -> int:
-    """Bytes one call of ``run`` allocates at its peak (``PeakMemory``; on the CPU tensor storage,
-    or with ``allocator`` the CPU allocator's blocks)."""
-    with PeakMemory(device, allocator=allocator and device.type == "cpu") as mem:
+def _peak(run, device: torch.device) -> int:
+    """Tensor bytes one call of ``run`` creates at its peak (``PeakMemory``)."""
+    with PeakMemory(device) as mem:
         run()
     return mem.peak
 
@@ -147,7 +146,7 @@ def ideal(args: argparse.Namespace, packed: bool, stack: bool, device: torch.dev
             attend(q, k, v).backward(dout)
 
     run()  # warm-up
-    return _peak(run, device, args.allocator)
+    return _peak(run, device)
 
 
 def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool) -> dict:
@@ -198,9 +197,9 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool)
     warm.close()
     state = fresh_state()
     run = workload(state)
-    first = _peak(run, device, args.allocator)
+    first = _peak(run, device)
     kept = state.workspace.nbytes
-    later = _peak(run, device, args.allocator)
+    later = _peak(run, device)
     result = {"first": first, "later": later, "kept": kept, "total": max(first, later + kept)}
     state.close()
     return result
@@ -223,9 +222,6 @@ def main() -> None:
                         "instead of fresh buffers per call")
     parser.add_argument("--keep-head-shards", action="store_true",
                         help="ParallelState(keep_head_shards=True): Ulysses keeps its head shards for the backward")
-    parser.add_argument("--allocator", action="store_true",
-                        help="CPU: peaks of the CPU allocator's blocks (AllocatorTracker: kernel scratch included, "
-                             "autograd's in-place gradient sums unchanged) instead of tensor storage (StorageTracker)")
     add_output_arguments(parser, "total x (everything counted) per configuration, single call and stack")
     args = parser.parse_args()
     n = args.world
