@@ -56,3 +56,20 @@ def test_peak_memory_allocator_option():
     del x
     with pytest.raises(ValueError, match="pick one"):
         PeakMemory(torch.device("cpu"), allocator=True, resident=True)
+
+
+def _allocator_tracker_under_gloo() -> str:
+    try:
+        with AllocatorTracker():
+            pass
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_allocator_tracker_refuses_gloo(pools):
+    """gloo's work threads drop the last reference to a collective's buffers, and those frees are
+    not reported: measured, 2 ranks, five 1 MiB all-to-alls and all-reduces read 4-8 MiB alive at
+    exit and a peak 1.5-2x the true one. So it refuses rather than read high."""
+    for message in pools(2).run(_allocator_tracker_under_gloo):
+        assert "gloo" in message and "StorageTracker" in message
