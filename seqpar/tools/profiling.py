@@ -386,10 +386,9 @@ class PeakMemory:
         exit above its start; on the CPU (``resident=False``) the storages it created that are
         alive now (``allocator=True``: alive at its exit). ``peak - held()`` is the block's
         transient memory. ``None`` for the resident set."""
-        if isinstance(self._tracker, StorageTracker):
-            self._tracker._sweep()
-            return self._tracker.current
-        if isinstance(self._tracker, AllocatorTracker):
+        if self._tracker is not None:
+            if isinstance(self._tracker, StorageTracker):
+                self._tracker._sweep()  # drop the storages freed since its last op
             return self._tracker.current
         if self.device.type == "cuda" and self._end is not None and self._base is not None:
             return self._end - self._base
