@@ -138,12 +138,11 @@ def test_cuda_blocks_with_more_queries_than_keys(dtype_name):
             q, dout = (torch.randn(1, sq, 4, 64, generator=gen, dtype=torch.float64) for _ in range(2))
             k, v = (torch.randn(1, sk, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
             want = _grads(lambda *t: ref.forward(*t, causal=True, scale=0.125), q, k, v, dout)
-            same = _grads(lambda *t: ref.forward(*t, causal=True, scale=0.125),
-                          *(x.to(dtype).double() for x in (q, k, v)), dout.to(dtype).double())
+            same = _same(lambda *t: ref.forward(*t, causal=True, scale=0.125), dtype, q, k, v, dout)
             args = [x.to("cuda", dtype) for x in (q, k, v, dout)]
             out, lse = backend.forward(*args[:3], causal=True, scale=0.125)
             grads = backend.backward(args[3], *args[:3], out, lse, causal=True, scale=0.125)
-            _check(name, (sq, sk), (out, lse, *grads), want, same)
+            _check(name, (sq, sk), (out, lse, *grads), want, same, dtype != torch.float32)
         lens_q, lens_k = [20, 7, 33, 0, 4], [5, 7, 40, 3, 0]
         tq, tk = sum(lens_q), sum(lens_k)
         q, dout = (torch.randn(tq, 4, 64, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -154,18 +153,34 @@ def test_cuda_blocks_with_more_queries_than_keys(dtype_name):
             return ref.varlen_forward(*t, *cu, causal=True, scale=0.125)
 
         want = _grads(packed, q, k, v, dout)
-        same = _grads(packed, *(x.to(dtype).double() for x in (q, k, v)), dout.to(dtype).double())
+        same = _same(packed, dtype, q, k, v, dout)
         args = [x.to("cuda", dtype) for x in (q, k, v, dout)]
         cu_dev = (cu[0].cuda(), cu[1].cuda(), cu[2], cu[3])
         out, lse = backend.varlen_forward(*args[:3], *cu_dev, causal=True, scale=0.125)
         grads = backend.varlen_backward(args[3], *args[:3], out, lse, *cu_dev, causal=True, scale=0.125)
-        _check(name, "packed", (out, lse, *grads), want, same)
+        _check(name, "packed", (out, lse, *grads), want, same, dtype != torch.float32)
 
 
-def _check(name, case, got, want, same):
+def _same(fn, dtype, q, k, v, dout):
+    """The baseline error of the 2x rule, per output: the larger of the reference's error in
+    ``dtype`` arithmetic (flash-attn's rule: PyTorch's maths run in the kernel's dtype) and the
+    float64 reference's on inputs rounded to ``dtype``. The second alone is too tight in bf16: it
+    leaves out the rounding of the outputs themselves (measured on an H200: the bundled
+    FlashAttention's dk on a 129 x 3 block, 0.0147 from float64 against that baseline's 0.0059;
+    the bf16 reference's is 0.0085). ``_check`` adds the floor of ``tests/test_backends.py`` for
+    half types: the memory-efficient kernel's dv there is 0.026 from float64 (magnitude 4.8, under
+    one bf16 ulp) against a bf16 reference's 0.0124."""
+    rounded = _grads(fn, *(x.to(dtype).double() for x in (q, k, v)), dout.to(dtype).double())
+    low = _grads(fn, *(x.to(dtype) for x in (q, k, v)), dout.to(dtype))
+    return [(r, l_.double()) for r, l_ in zip(rounded, low)]
+
+
+def _check(name, case, got, want, same, half):
     for what, g, w, s in zip(("out", "lse", "dq", "dk", "dv"), got, want, same):
         g = g.detach().double().cpu()
         assert torch.equal(g.isinf(), w.isinf()), (name, case, what, "-inf pattern")
-        g, w, s = (t.masked_fill(w.isinf(), 0) for t in (g, w, s))
-        err, base = (g - w).abs().max().item(), (s - w).abs().max().item()
-        assert err <= 2 * base + 1e-5, (name, case, what, err, base)
+        inf = w.isinf()
+        g, w, *s = (t.masked_fill(inf, 0) for t in (g, w, *s))
+        err, base = (g - w).abs().max().item(), max((t - w).abs().max().item() for t in s)
+        floor = 1e-2 * max(1.0, w.abs().max().item()) if half else 1e-5
+        assert err <= 2 * base + floor, (name, case, what, err, base, floor)
