@@ -26,8 +26,10 @@ Llama-3-8B, to the layer's moment, where it is not alive (Note [Tiled token-wise
   for a step that starts without gradients);
 - per token: the checkpointed layer inputs, ``L * hidden * e``, **exact** (on the host with
   ``offload``: ``torch.autograd.graph.save_on_cpu`` around checkpointed layers,
-  ``docs/long-context.md``), or without checkpointing every layer's saved activations (derived,
-  not calibrated); the ids and labels (16 bytes);
+  ``docs/long-context.md``; then the layer's moment holds one of them, the recomputed layer's
+  input copied back: measured on an H200, offload lowered the slope of a 2-layer stack by
+  ``hidden * e`` per token, not ``2 * hidden * e``), or without checkpointing every layer's saved
+  activations (derived, not calibrated); the ids and labels (16 bytes);
 - ``reserve``: **not measured here**, an input (CUDA context, NCCL buffers, allocator
   fragmentation).
 
@@ -478,11 +480,13 @@ def longest_context(
     }
     common_per_token: dict[str, float] = {}
     host_per_token = 0.0
+    running_input = 0.0  # with offload: the recomputed layer's input, back on the device
     if checkpointing:
         ckpt = float(model.layers * hid * e)
         if offload:
             host_per_token += ckpt
             common_per_token["layer inputs (checkpoints)"] = 0.0
+            running_input = float(hid * e)
         else:
             common_per_token["layer inputs (checkpoints)"] = ckpt
     else:
@@ -500,6 +504,8 @@ def longest_context(
     # The measured overhead is a layer's: the loss's moment is derived whole (Note [Memory model]).
     layer_fixed["overhead (measured)"] = float(cal.overhead_bytes)
     layer_per_token = dict(common_per_token)
+    if running_input:
+        layer_per_token["running layer's input (copied back)"] = running_input
     layer_per_token["one layer's working set (x layer_factor)"] = (
         cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
     if checkpointing and keep_head_shards and U > 1:
