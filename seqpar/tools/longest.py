@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .profiling import PeakMemory
 
-__all__ = ["StackConfig", "measure_peak"]
+__all__ = ["StackConfig", "StackRun", "build_stack", "measure_peak"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -181,6 +181,83 @@ class _Stack(nn.Module):
         return linear_cross_entropy(h, self.lm_head.weight, labels, self.state, chunk_size=self.c.loss_chunk)
 
 
+@dataclass
+class StackRun:
+    """The stack of rank ``config.cp_rank`` built for ``local_tokens`` tokens, ready to step.
+
+    Attributes:
+        config: the ``StackConfig``.
+        local_tokens: the rank's actual token count.
+        seq_len: the global length, ``local_tokens * R * U`` as asked.
+        param_bytes: the parameters' bytes.
+        before_bytes: bytes alive before a step: parameters, their gradients, ids, labels.
+    """
+
+    config: StackConfig
+    local_tokens: int
+    seq_len: int
+    param_bytes: int
+    before_bytes: int
+    _stack: nn.Module
+    _ids: Tensor
+    _labels: Tensor
+    _state: object
+
+    def step(self) -> None:
+        """One forward and backward (the gradients accumulate into the preallocated ones)."""
+        self._stack.loss(self._ids, self._labels).backward()
+
+    def close(self) -> None:
+        """Close the ``ParallelState``; the stack's memory goes with the last reference."""
+        self._state.close()
+
+
+def build_stack(config: StackConfig, local_tokens: int) -> StackRun:
+    """Build rank ``config.cp_rank``'s stack for ``local_tokens`` tokens per rank (a global length of
+    ``local_tokens * R * U``; the rank's actual count is ``StackRun.local_tokens``), with every
+    trainable parameter's gradient already allocated (zeros), as under gradient accumulation.
+
+    ``torch.distributed`` must be initialised as that rank of ``R * U``
+    (``seqpar.tools.one_rank.fake_world``). The caller closes the returned run.
+
+    Raises:
+        ValueError: a non-positive ``local_tokens``.
+    """
+    from ..placement import Placement
+    from ..state import ParallelState
+
+    if isinstance(local_tokens, bool) or not isinstance(local_tokens, int) or local_tokens < 1:
+        raise ValueError(f"build_stack: local_tokens must be a positive int, got {local_tokens!r}")
+    c = config
+    device = _device(c)
+    seq_len = local_tokens * c.ring * c.ulysses
+    n = Placement.dense(seq_len, c.ring, c.ulysses).shard_lengths[c.cp_rank]
+    state = ParallelState(c.ring, c.ulysses, checks="never", keep_head_shards=c.keep_head_shards)
+    try:
+        torch.manual_seed(c.seed)
+        with torch.device(device):
+            stack = _Stack(c, state, seq_len).to(_DTYPES[c.dtype])
+        gen = torch.Generator(device=device).manual_seed(c.seed + 1)
+        ids = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
+        labels = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
+        param_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
+        # Every gradient exists before the step, as under gradient accumulation (the memory model's
+        # "gradients" term is alive at both of its moments).
+        for p in stack.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in stack.parameters() if p.grad is not None)
+    except BaseException:
+        state.close()
+        raise
+    return StackRun(c, n, seq_len, param_bytes, param_bytes + grad_bytes + ids.nbytes + labels.nbytes,
+                    stack, ids, labels, state)
+
+
+def _device(c: StackConfig) -> torch.device:
+    return torch.device(c.device, 0) if c.device == "cuda" else torch.device("cpu")
+
+
 def measure_peak(config: StackConfig, local_tokens: int, *, allocator: bool = True) -> dict:
     """One forward+backward of rank ``config.cp_rank`` with ``local_tokens`` tokens; its peak bytes.
 
@@ -198,36 +275,14 @@ def measure_peak(config: StackConfig, local_tokens: int, *, allocator: bool = Tr
     Raises:
         ValueError: a non-positive ``local_tokens``.
     """
-    from ..placement import Placement
-    from ..state import ParallelState
-
-    if isinstance(local_tokens, bool) or not isinstance(local_tokens, int) or local_tokens < 1:
-        raise ValueError(f"measure_peak: local_tokens must be a positive int, got {local_tokens!r}")
-    c = config
-    device = torch.device(c.device, 0) if c.device == "cuda" else torch.device("cpu")
-    dtype = _DTYPES[c.dtype]
-    seq_len = local_tokens * c.ring * c.ulysses
-    n = Placement.dense(seq_len, c.ring, c.ulysses).shard_lengths[c.cp_rank]
-    state = ParallelState(c.ring, c.ulysses, checks="never", keep_head_shards=c.keep_head_shards)
-    torch.manual_seed(c.seed)
+    device = _device(config)
+    run = build_stack(config, local_tokens)
     try:
-        with torch.device(device):
-            stack = _Stack(c, state, seq_len).to(dtype)
-        gen = torch.Generator(device=device).manual_seed(c.seed + 1)
-        ids = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
-        labels = torch.randint(0, c.vocab, (1, n), generator=gen, device=device)
-        param_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
-        # Every gradient exists before the step, as under gradient accumulation (the memory model's
-        # "gradients" term is alive at both of its moments).
-        for p in stack.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in stack.parameters() if p.grad is not None)
-        before = param_bytes + grad_bytes + ids.nbytes + labels.nbytes
+        before = run.before_bytes
         gc.collect()
         t0 = time.perf_counter()
         with PeakMemory(device, allocator=allocator) as mem:  # allocator: the CPU measure (CUDA reads its own)
-            stack.loss(ids, labels).backward()
+            run.step()
         seconds = time.perf_counter() - t0
         if device.type == "cuda":
             before = mem.start_bytes
@@ -235,11 +290,12 @@ def measure_peak(config: StackConfig, local_tokens: int, *, allocator: bool = Tr
         else:
             by = (("AllocatorTracker (CPU allocator, torch.profiler)" if allocator else "StorageTracker")
                   + " peak + bytes alive before the step")
-        return {"local_tokens": n, "seq_len": seq_len, "peak_bytes": before + mem.peak, "before_bytes": before,
-                "in_step_peak_bytes": mem.peak, "param_bytes": param_bytes, "seconds": seconds,
-                "measured_by": by, "config": asdict(c)}
+        return {"local_tokens": run.local_tokens, "seq_len": run.seq_len, "peak_bytes": before + mem.peak,
+                "before_bytes": before, "in_step_peak_bytes": mem.peak, "param_bytes": run.param_bytes,
+                "seconds": seconds, "measured_by": by, "config": asdict(config)}
     finally:
-        state.close()
+        run.close()
+        del run
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
