@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.planner import CPU_CALIBRATION, Calibration, ModelShape, longest_context
+from seqpar.planner import CPU_CALIBRATION, GPU_CALIBRATION, Calibration, ModelShape, longest_context
 from seqpar.planner.memory import calibrate_from_fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,6 +217,42 @@ def test_calibration_reproduces_a_measured_line():
     with pytest.raises(ValueError, match=f"at {int(crossing) // 2:,} tokens per rank the model puts the peak at the loss"):
         calibrate_from_fit(line.bytes_per_token, line.fixed_bytes, m, source="fit",
                            fit_tokens=(int(crossing) // 2, 4 * int(crossing)), **trained)
+
+
+# Peaks measured on one H200 (torch.cuda.max_memory_allocated, bytes) by
+# `scripts/bench_longest.py --device cuda --ring 8 --ulysses 1 --layers 2 --mlp-chunks 64
+# --lengths 40960,47111,53248,59999,65536 --budget-gib 10` (and with --offload): tokens per rank ->
+# peak; the last two of each are the validation's lengths.
+_H200_PEAKS = {
+    False: {40960: 9126135296, 47111: 9910611456, 53248: 10689491456, 59999: 11551490048, 65536: 12253164032,
+            53602: 10740363264, 58963: 11420282368},
+    True: {40960: 8790590976, 47111: 9524682240, 53248: 10253283840, 59999: 11059978240, 65536: 11716293120,
+           57289: 10739548160, 63018: 11418382336},
+}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
+def test_gpu_calibration_predicts_the_measured_h200_peaks(offload):
+    """GPU_CALIBRATION with the model's derived terms reproduces every recorded H200 peak within
+    0.05%, with and without offload (one calibration for both: the offload run's own fit reads the
+    same factor once the recomputed layer's input is counted back on the device). A change to a
+    derived term that these measurements do not support fails here."""
+    shape = ModelShape(layers=2, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
+                       dtype=torch.bfloat16)
+    options = dict(ring=8, ulysses=1, dp=1, offload=offload, tiled_mlp_chunks=64, zero_stage=0,
+                   optimizer_bytes_per_param=0, train_embeddings=False)
+    p = longest_context(shape, device_bytes=10 * GiB, reserve_bytes=0, calibration=GPU_CALIBRATION, **options)
+    for tokens, peak in _H200_PEAKS[offload].items():
+        assert p.moment_at(tokens) == "layer"
+        assert peak / p.device_bytes_at(tokens) == pytest.approx(1.0, abs=5e-4), tokens
+    # Refitting the recorded points gives the shipped constants back.
+    fit = sorted(_H200_PEAKS[offload].items())
+    n, mx = len(fit), sum(t for t, _ in fit) / len(fit)
+    slope = sum((t - mx) * (b - sum(b for _, b in fit) / n) for t, b in fit) / sum((t - mx) ** 2 for t, _ in fit)
+    intercept = max(b - slope * t for t, b in fit)
+    cal = calibrate_from_fit(slope, intercept, shape, source="refit", **options)
+    assert cal.layer_factor == pytest.approx(GPU_CALIBRATION.layer_factor, abs=2e-3)
+    assert abs(cal.overhead_bytes - GPU_CALIBRATION.overhead_bytes) < 8 * 2**20
 
 
 def test_top_level_export():

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .choose import TIE_RTOL, DegreePlan, plan
 from .cost import PRESETS, CostModel, KernelRates, Link
-from .memory import CPU_CALIBRATION, Calibration, MemoryPrediction, ModelShape, longest_context
+from .memory import CPU_CALIBRATION, GPU_CALIBRATION, Calibration, MemoryPrediction, ModelShape, longest_context
 from .predict import Candidate, Shape, predict
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ __all__ = [
     "MemoryPrediction",
     "Calibration",
     "CPU_CALIBRATION",
+    "GPU_CALIBRATION",
 ]
 
 

@@ -92,8 +92,8 @@ import torch
 
 from ..tiled import default_chunk_size
 
-__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "Moment", "MemoryPrediction", "longest_context",
-           "calibrate_from_fit"]
+__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "GPU_CALIBRATION", "Moment", "MemoryPrediction",
+           "longest_context", "calibrate_from_fit"]
 
 GiB = 2**30
 
@@ -202,6 +202,20 @@ CPU_CALIBRATION = Calibration(
     layer_factor=0.8145,
     overhead_bytes=587_210_936,
     source="scripts/bench_longest.py, CPU, bf16, 2 x 2 / 1 x 4 / 4 x 1, one Llama-8B-shaped layer (two moments)",
+)
+
+# Measured by scripts/bench_longest.py on one NVIDIA H200 (torch 2.11, CUDA 13.0, PyTorch's bundled
+# FlashAttention; torch.cuda.max_memory_allocated): one rank of ring 8 x Ulysses 1 of a 2-layer
+# Llama-8B-shaped stack, bf16, MLP in 64 chunks, frozen embedding and lm-head, at 40,960 to 65,536
+# tokens per rank (five lengths, two of them off the 4,096-token grid), every gradient allocated
+# before the step; the fit with the checkpoints in host memory (offload) read the same factor and
+# overhead to five digits. The model is within 0.03% of all 14 measured peaks
+# (docs/performance.md, "On a GPU"). Other splits were not measured on the GPU: on the CPU the
+# ring's factor was the largest of the splits.
+GPU_CALIBRATION = Calibration(
+    layer_factor=0.78272,
+    overhead_bytes=69_849_186,
+    source="scripts/bench_longest.py, one H200, bf16, ring 8 x 1, 2 Llama-8B-shaped layers, MLP in 64 chunks",
 )
 
 
@@ -429,7 +443,8 @@ def longest_context(
         optimizer_bytes_per_param: optimizer state per trainable parameter (12: fp32 master weights
             and Adam's moments; 0 for a forward+backward without an optimizer).
         train_embeddings: whether the embedding and lm-head take gradients and optimizer state.
-        calibration: the measured constants (default :data:`CPU_CALIBRATION`).
+        calibration: the measured constants (default :data:`CPU_CALIBRATION`;
+            :data:`GPU_CALIBRATION` is one H200's, measured at ring 8).
 
     Returns:
         :class:`MemoryPrediction`: ``bytes_per_token_per_rank``, ``fixed_bytes_per_rank`` and
