@@ -107,6 +107,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert summary["smoke"]
     status = {s["step"]: s["status"] for s in summary["steps"]}
     assert all(v == "ok" for k, v in status.items() if k != "bench_memory"), status
+    assert {"pytest_cuda", "demo", "kernels", "rank", "longest", "step_cost", "maxlen"} <= set(status), status
+    assert [r["mlp_chunks"] for r in summary["step_cost"]["results"]] == [1, 8]
     assert (tmp_path / "summary.md").read_text().startswith("# seqpar GPU check")
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check"), "--no-such-option"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
