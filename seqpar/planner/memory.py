@@ -209,7 +209,7 @@ CPU_CALIBRATION = Calibration(
 # Llama-8B-shaped stack, bf16, MLP in 64 chunks, frozen embedding and lm-head, at 40,960 to 65,536
 # tokens per rank (five lengths, two of them off the 4,096-token grid), every gradient allocated
 # before the step; the fit with the checkpoints in host memory (offload) read the same factor and
-# overhead to five digits. The model is within 0.03% of all 14 measured peaks
+# overhead to five digits. The model is within 0.03% of all 16 measured peaks
 # (docs/performance.md, "On a GPU"). Other splits were not measured on the GPU: on the CPU the
 # ring's factor was the largest of the splits.
 GPU_CALIBRATION = Calibration(
