@@ -27,7 +27,7 @@ def test_build_stack_steps_and_accumulates():
         run = build_stack(config, 21)
         try:
             assert (run.local_tokens, run.seq_len) == (21, 21)
-            params = list(run._stack.parameters())
+            params = run.parameters()
             assert all(p.grad is not None and not p.grad.any() for p in params)  # allocated before any step
             assert run.before_bytes == 2 * run.param_bytes + 2 * 21 * 8
             run.step()

@@ -203,6 +203,10 @@ class StackRun:
     _labels: Tensor
     _state: object
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The stack's parameters (their ``.grad`` allocated before the first step)."""
+        return list(self._stack.parameters())
+
     def step(self) -> None:
         """One forward and backward (the gradients accumulate into the preallocated ones)."""
         self._stack.loss(self._ids, self._labels).backward()
