@@ -40,7 +40,7 @@ import time
 import torch
 
 from seqpar.planner.memory import CPU_CALIBRATION, ModelShape, calibrate_from_fit, derived, longest_context
-from seqpar.tools.longest import StackConfig, measure_peak
+from seqpar.tools.longest import StackConfig, add_stack_arguments, measure_peak, stack_arguments
 from seqpar.tools.one_rank import fake_world
 from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
@@ -81,18 +81,8 @@ def _fit(points: list[tuple[int, int]]) -> tuple[float, float, float]:
 
 def main() -> None:
     parser = script_parser(__doc__)
-    parser.add_argument("--ring", type=int, default=2, help="ring size R")
-    parser.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
+    add_stack_arguments(parser, layers=1)
     parser.add_argument("--cp-rank", type=int, default=0, help="the rank to run")
-    parser.add_argument("--layers", type=int, default=1, help="decoder layers")
-    parser.add_argument("--hidden", type=int, default=4096, help="model width")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8, help="K/V heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim")
-    parser.add_argument("--ffn", type=int, default=14336, help="MLP intermediate width")
-    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device")
     parser.add_argument("--mlp-chunks", type=int, default=8, help="TiledTokenwise chunks of the MLP")
     parser.add_argument("--loss-chunk", type=int, default=None,
                         help="tokens per chunk of the tiled loss (default: the library's, 2**24 // vocab)")
@@ -121,10 +111,7 @@ def main() -> None:
         checks = sorted({int(x) for x in args.check_lengths.split(",") if x.strip()})
         if any(t < 1 for t in checks):
             raise ValueError(f"--check-lengths needs positive token counts, got {args.check_lengths!r}")
-        config = StackConfig(ring=args.ring, ulysses=args.ulysses, cp_rank=args.cp_rank, layers=args.layers,
-                             hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                             ffn=args.ffn, vocab=args.vocab, dtype=args.dtype, device=args.device,
-                             mlp_chunks=args.mlp_chunks, loss_chunk=args.loss_chunk, train_embeddings=args.train_embeddings,
+        config = StackConfig(**stack_arguments(args), cp_rank=args.cp_rank, mlp_chunks=args.mlp_chunks, loss_chunk=args.loss_chunk, train_embeddings=args.train_embeddings,
                              offload=args.offload, keep_head_shards=args.keep_head_shards)
         if args.budget_gib <= 0:
             raise ValueError(f"--budget-gib must be positive, got {args.budget_gib}")

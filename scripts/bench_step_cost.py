@@ -25,8 +25,9 @@ import time
 
 import torch
 
-from seqpar.tools.longest import StackConfig, build_stack
+from seqpar.tools.longest import StackConfig, add_stack_arguments, build_stack, stack_arguments
 from seqpar.tools.one_rank import fake_world
+from seqpar.tools.profiling import sync
 from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
 
 GiB = 2**30
@@ -42,24 +43,9 @@ def _positive_ints(text: str, what: str) -> list[int]:
     return sorted(set(values))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def main() -> None:
     parser = script_parser(__doc__)
-    parser.add_argument("--ring", type=int, default=2, help="ring size R")
-    parser.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--hidden", type=int, default=4096, help="model width")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8, help="K/V heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim")
-    parser.add_argument("--ffn", type=int, default=14336, help="MLP intermediate width")
-    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="dtype")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device")
+    add_stack_arguments(parser, layers=2)
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--mlp-chunks", default="8,64", help="TiledTokenwise chunk counts to time, comma-separated")
     parser.add_argument("--offload", default="both", choices=("off", "on", "both"),
@@ -78,16 +64,14 @@ def main() -> None:
                                  "the host is the device (use --device cuda, or --offload off)")
             args.offload = "off"  # "both" on the CPU: the offload variants do not exist there
         offloads = {"off": [False], "on": [True], "both": [False, True]}[args.offload]
-        configs = [StackConfig(ring=args.ring, ulysses=args.ulysses, layers=args.layers, hidden=args.hidden,
-                               heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, ffn=args.ffn,
-                               vocab=args.vocab, dtype=args.dtype, device=args.device, mlp_chunks=n, offload=o)
+        configs = [StackConfig(**stack_arguments(args), mlp_chunks=n, offload=o)
                    for o, n in itertools.product(offloads, chunks)]
     except ValueError as e:
         parser.error(str(e))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    device = configs[0].torch_device
 
     def label(c: StackConfig) -> str:
         return f"{c.mlp_chunks} chunks" + (", offload" if c.offload else "")
@@ -101,7 +85,7 @@ def main() -> None:
             for c, r in zip(configs, runs):  # warm-up: kernels chosen, pinned buffers and workspaces created
                 progress("bench_step_cost", f"warm-up: {label(c)}")
                 r.step()
-            _sync(device)
+            sync(device)
             for i in range(args.rounds):
                 progress("bench_step_cost", f"round {i + 1} of {args.rounds}")
                 for c, r in zip(configs, runs):
@@ -110,7 +94,7 @@ def main() -> None:
                         held = torch.cuda.memory_allocated(device)  # every variant's stack
                     t0 = time.perf_counter()
                     r.step()
-                    _sync(device)
+                    sync(device)
                     times[label(c)].append(time.perf_counter() - t0)
                     # This variant's peak: its bytes before the step and what the step added.
                     peaks[label(c)] = (r.before_bytes + torch.cuda.max_memory_allocated(device) - held

@@ -37,6 +37,7 @@ the same intercept within 45 KB; ``docs/performance.md``). Each length runs on a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import time
@@ -48,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .profiling import PeakMemory
 
-__all__ = ["StackConfig", "StackRun", "build_stack", "measure_peak"]
+__all__ = ["StackConfig", "StackRun", "build_stack", "measure_peak", "add_stack_arguments", "stack_arguments"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,6 +112,38 @@ class StackConfig:
         if self.offload and self.device != "cuda":
             raise ValueError(f"{where}: offload=True moves activations from a CUDA device to the host; on the "
                              "CPU the host is the device (use device='cuda', or offload=False)")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device the stack runs on (``cuda:0`` for ``"cuda"``)."""
+        return torch.device(self.device, 0) if self.device == "cuda" else torch.device("cpu")
+
+
+# The command-line options of the stack's shape and split, as StackConfig's fields.
+_SHAPE_OPTIONS = ("ring", "ulysses", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "dtype",
+                  "device")
+
+
+def add_stack_arguments(parser: argparse.ArgumentParser, *, layers: int) -> None:
+    """Add ``--ring --ulysses --layers --hidden --heads --kv-heads --head-dim --ffn --vocab --dtype
+    --device`` (Llama-8B-shaped defaults, ``layers`` decoder layers) to a script's parser; read them
+    back with :func:`stack_arguments`."""
+    parser.add_argument("--ring", type=int, default=2, help="ring size R")
+    parser.add_argument("--ulysses", type=int, default=2, help="Ulysses size U")
+    parser.add_argument("--layers", type=int, default=layers, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=4096, help="model width")
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="K/V heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim")
+    parser.add_argument("--ffn", type=int, default=14336, help="MLP intermediate width")
+    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size")
+    parser.add_argument("--dtype", default="bfloat16", choices=tuple(_DTYPES), help="dtype")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device")
+
+
+def stack_arguments(args: argparse.Namespace) -> dict:
+    """The :class:`StackConfig` fields parsed from :func:`add_stack_arguments`' options."""
+    return {name: getattr(args, name) for name in _SHAPE_OPTIONS}
 
 
 class _SwiGLU(nn.Module):
@@ -233,7 +266,7 @@ def build_stack(config: StackConfig, local_tokens: int) -> StackRun:
     if isinstance(local_tokens, bool) or not isinstance(local_tokens, int) or local_tokens < 1:
         raise ValueError(f"build_stack: local_tokens must be a positive int, got {local_tokens!r}")
     c = config
-    device = _device(c)
+    device = c.torch_device
     seq_len = local_tokens * c.ring * c.ulysses
     n = Placement.dense(seq_len, c.ring, c.ulysses).shard_lengths[c.cp_rank]
     state = ParallelState(c.ring, c.ulysses, checks="never", keep_head_shards=c.keep_head_shards)
@@ -258,10 +291,6 @@ def build_stack(config: StackConfig, local_tokens: int) -> StackRun:
                     stack, ids, labels, state)
 
 
-def _device(c: StackConfig) -> torch.device:
-    return torch.device(c.device, 0) if c.device == "cuda" else torch.device("cpu")
-
-
 def measure_peak(config: StackConfig, local_tokens: int, *, allocator: bool = True) -> dict:
     """One forward+backward of rank ``config.cp_rank`` with ``local_tokens`` tokens; its peak bytes.
 
@@ -279,7 +308,7 @@ def measure_peak(config: StackConfig, local_tokens: int, *, allocator: bool = Tr
     Raises:
         ValueError: a non-positive ``local_tokens``.
     """
-    device = _device(config)
+    device = config.torch_device
     run = build_stack(config, local_tokens)
     try:
         before = run.before_bytes
