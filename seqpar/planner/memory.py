@@ -495,13 +495,11 @@ def longest_context(
     }
     common_per_token: dict[str, float] = {}
     host_per_token = 0.0
-    running_input = 0.0  # with offload: the recomputed layer's input, back on the device
     if checkpointing:
         ckpt = float(model.layers * hid * e)
         if offload:
             host_per_token += ckpt
             common_per_token["layer inputs (checkpoints)"] = 0.0
-            running_input = float(hid * e)
         else:
             common_per_token["layer inputs (checkpoints)"] = ckpt
     else:
@@ -519,8 +517,8 @@ def longest_context(
     # The measured overhead is a layer's: the loss's moment is derived whole (Note [Memory model]).
     layer_fixed["overhead (measured)"] = float(cal.overhead_bytes)
     layer_per_token = dict(common_per_token)
-    if running_input:
-        layer_per_token["running layer's input (copied back)"] = running_input
+    if offload:  # the recomputed layer's input, copied back to the device (offload needs checkpointing)
+        layer_per_token["running layer's input (copied back)"] = float(hid * e)
     layer_per_token["one layer's working set (x layer_factor)"] = (
         cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
     if checkpointing and keep_head_shards and U > 1:
