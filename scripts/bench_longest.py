@@ -17,6 +17,9 @@ forward+backward per length (Note [Longest-context measurement] in seqpar/tools/
    budget out of the prediction (the model's reserve term): on CUDA the caching allocator's
    rounding moves a peak by a few MiB from one length to the next (2-6 MiB on an H200, where the
    model is otherwise within 0.03%), which no line through the fit points follows.
+   --validate-with shipped predicts from the calibration seqpar ships for the device instead
+   (seqpar.planner.GPU_CALIBRATION on CUDA, CPU_CALIBRATION on the CPU): the check that constants
+   measured on one split predict another (every run also prints measured / shipped model).
 
 On the CPU the peak is the CPU allocator's (AllocatorTracker: torch.profiler's memory events, kernel
 scratch included; --storage-tracker for the tensor-storage peak of earlier calibrations) plus the
@@ -39,7 +42,7 @@ import time
 
 import torch
 
-from seqpar.planner.memory import CPU_CALIBRATION, ModelShape, calibrate_from_fit, derived, longest_context
+from seqpar.planner.memory import CPU_CALIBRATION, GPU_CALIBRATION, ModelShape, calibrate_from_fit, derived, longest_context
 from seqpar.tools.longest import StackConfig, add_stack_arguments, measure_peak, stack_arguments
 from seqpar.tools.one_rank import fake_world
 from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
@@ -103,6 +106,9 @@ def main() -> None:
     parser.add_argument("--reserve-mib", type=float, default=0.0,
                         help="MiB of the budget the validation's prediction keeps free (the model's reserve_bytes)")
     parser.add_argument("--no-validate", action="store_true", help="fit only (default: validate too)")
+    parser.add_argument("--validate-with", choices=("fit", "shipped"), default="fit",
+                        help="the calibration whose prediction the validation runs: this run's fit, or the one "
+                             "seqpar ships for the device (GPU_CALIBRATION on cuda, CPU_CALIBRATION on cpu)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     add_output_arguments(parser, "the measured and predicted peak of every run, GiB")
     args = parser.parse_args()
@@ -136,6 +142,8 @@ def main() -> None:
         parser.error(f"--budget-gib {args.budget_gib}: the fixed bytes of this stack alone are "
                      f"{derived_fixed / GiB:.2f} GiB (parameters, the layer's gradients, the loss chunk; "
                      f"{args.dtype}) plus --reserve-mib {args.reserve_mib:g}; pass a larger --budget-gib")
+    shipped_cal, shipped_name = ((GPU_CALIBRATION, "GPU_CALIBRATION") if args.device == "cuda"
+                                 else (CPU_CALIBRATION, "CPU_CALIBRATION"))
     start = time.perf_counter()
     runs: list[dict] = []
 
@@ -157,25 +165,34 @@ def main() -> None:
             measured = ", ".join(f"{t:,} tokens: {p / GiB:.3f} GiB" for t, p in points)
             raise SystemExit(f"bench_longest: {e}\nmeasured peaks: {measured}") from None
         fresh = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=cal, **options)
+        # The shipped calibration's line (its bytes at any length do not depend on the budget) and its
+        # longest for the budget (0 when its fixed bytes alone exceed it).
+        shipped_model = longest_context(shape, device_bytes=1 << 60, reserve_bytes=0, calibration=shipped_cal,
+                                        **options)
         try:
-            shipped = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=CPU_CALIBRATION,
+            shipped = longest_context(shape, device_bytes=budget, reserve_bytes=0, calibration=shipped_cal,
                                       **options).longest_local_tokens
         except ValueError:
-            shipped = 0  # the shipped calibration leaves nothing of the budget
+            if args.validate_with == "shipped" and not args.no_validate:
+                raise SystemExit(f"bench_longest: the shipped {shipped_name} leaves nothing of "
+                                 f"--budget-gib {args.budget_gib} for this stack; pass a larger budget") from None
+            shipped = 0
+        judge = fresh if args.validate_with == "fit" else shipped_model
         for t in checks:
             run(t, "check (not fitted)")
         validation = None
         if not args.no_validate:
             # The prediction for the budget less the reserve; the table's model column is the line itself.
-            t_max = (longest_context(shape, device_bytes=budget, reserve_bytes=reserve, calibration=cal, **options)
-                     .longest_local_tokens if reserve else fresh.longest_local_tokens)
+            t_max = longest_context(shape, device_bytes=budget, reserve_bytes=reserve,
+                                    calibration=cal if args.validate_with == "fit" else shipped_cal,
+                                    **options).longest_local_tokens
             t_over = math.ceil(1.1 * t_max)
             at, over = run(t_max, "validate: predicted longest"), run(t_over, "validate: +10%")
             validation = {
                 "budget_bytes": budget, "reserve_bytes": reserve, "predicted_local_tokens": t_max,
                 "over_local_tokens": t_over,
                 "peak_at_predicted": at["peak_bytes"], "peak_at_over": over["peak_bytes"],
-                "predicted_peak_at_predicted": fresh.device_bytes_at(t_max),
+                "predicted_peak_at_predicted": judge.device_bytes_at(t_max), "calibration": args.validate_with,
                 "fits": at["peak_bytes"] <= budget, "over_exceeds": over["peak_bytes"] > budget,
             }
             validation["passed"] = validation["fits"] and validation["over_exceeds"]
@@ -183,25 +200,30 @@ def main() -> None:
 
     rows = [[r["purpose"], f"{r['local_tokens']:,}", f"{r['seq_len']:,}", f"{r['peak_bytes'] / GiB:.3f}",
              f"{fresh.device_bytes_at(r['local_tokens']) / GiB:.3f}",
-             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}", fresh.moment_at(r["local_tokens"]),
-             f"{r['seconds']:.1f}"]
+             f"{r['peak_bytes'] / fresh.device_bytes_at(r['local_tokens']):.4f}",
+             f"{r['peak_bytes'] / shipped_model.device_bytes_at(r['local_tokens']):.4f}",
+             fresh.moment_at(r["local_tokens"]), f"{r['seconds']:.1f}"]
             for r in runs]
+    for r in runs:
+        r["shipped_model_bytes"] = shipped_model.device_bytes_at(r["local_tokens"])
     text = (
         f"One rank ({args.cp_rank}) of ring {args.ring} x Ulysses {args.ulysses}: Llama-shaped stack, {args.layers} "
         f"layer(s), hidden {args.hidden}, H {args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, FFN {args.ffn}, "
         f"V {args.vocab}, {args.dtype} on {args.device}, MLP chunks {args.mlp_chunks}, "
         f"embeddings {'trained' if args.train_embeddings else 'frozen'}\n"
-        + table(["run", "T (per rank)", "S", "peak GiB", "model GiB", "measured / model", "model's moment",
-                 "seconds"], rows)
+        + table(["run", "T (per rank)", "S", "peak GiB", "model GiB", "measured / model",
+                 f"measured / {shipped_name}", "model's moment", "seconds"], rows)
         + f"\n\nfit: {slope:,.0f} bytes per token + {intercept / GiB:.3f} GiB (upper envelope; largest residual "
         f"{residual / 2**20:.2f} MiB)\ncalibration: layer_factor {cal.layer_factor:.4f}, overhead "
-        f"{cal.overhead_bytes / 2**20:+.1f} MiB (shipped CPU_CALIBRATION: {CPU_CALIBRATION.layer_factor:.4f}, "
-        f"{CPU_CALIBRATION.overhead_bytes / 2**20:+.1f} MiB)\n\n" + fresh.table()
+        f"{cal.overhead_bytes / 2**20:+.1f} MiB (shipped {shipped_name}: {shipped_cal.factor_for(args.ring, args.ulysses):.4f}, "
+        f"{shipped_cal.overhead_bytes / 2**20:+.1f} MiB; its longest for the budget: {shipped:,} tokens per rank)"
+        "\n\n" + fresh.table()
     )
     if validation is not None:
         text += (
             f"\n\nvalidation at {args.budget_gib} GiB"
             + (f" ({args.reserve_mib:g} MiB kept free)" if reserve else "")
+            + (f", predicted by the shipped {shipped_name}" if args.validate_with == "shipped" else "")
             + f": predicted longest {validation['predicted_local_tokens']:,} "
             f"tokens per rank: measured peak {validation['peak_at_predicted'] / GiB:.3f} GiB "
             f"({'fits' if validation['fits'] else 'DOES NOT FIT'}); +10% ({validation['over_local_tokens']:,}): "
@@ -212,8 +234,9 @@ def main() -> None:
         "args": vars(args), "runs": runs, "fit": {"bytes_per_token": slope, "intercept_bytes": intercept,
                                                   "largest_residual_bytes": residual},
         "calibration": {"layer_factor": cal.layer_factor, "overhead_bytes": cal.overhead_bytes, "source": cal.source},
-        "shipped_calibration": {"layer_factor": CPU_CALIBRATION.layer_factor,
-                                "overhead_bytes": CPU_CALIBRATION.overhead_bytes,
+        "shipped_calibration": {"name": shipped_name,
+                                "layer_factor": shipped_cal.factor_for(args.ring, args.ulysses),
+                                "overhead_bytes": shipped_cal.overhead_bytes,
                                 "longest_local_tokens": shipped},
         "prediction": {"bytes_per_token_per_rank": fresh.bytes_per_token_per_rank,
                        "fixed_bytes_per_rank": fresh.fixed_bytes_per_rank,
