@@ -44,7 +44,7 @@ Llama-3-8B, to the layer's moment, where it is not alive (Note [Tiled token-wise
   ``.grad`` when the peak is in the MLP's backward (counted again by ZeRO-3's unsharded gradients:
   an upper estimate there);
 - ONE layer's working set at the peak of its backward (recompute, then gradients), **derived
-  then scaled by the measured** ``Calibration.layer_factor``: six hidden-sized tensors (norm
+  then scaled by the measured** layer factor (``Calibration.factor_for(R, U)``): six hidden-sized tensors (norm
   outputs, the residual, incoming and outgoing gradients), the shard's q, k, v, out and their
   gradients, the log-sum-exps; with ``U > 1`` the head-sharded copies of q, k, v, out, dout and
   their staging (``U * ceil(H / U)`` query heads and ``U * kv`` K/V heads per local token, K/V
@@ -77,7 +77,11 @@ Llama-3-8B, to the layer's moment, where it is not alive (Note [Tiled token-wise
 ``scripts/bench_longest.py`` on one rank of a Llama-8B-shaped stack (Note
 [Longest-context measurement] in ``seqpar/tools/longest.py``): the slope of the measured peak over
 ``T`` (at lengths where a layer's moment is the peak) minus the exact per-token terms, over the
-derived working set. The longest context is the largest ``T`` with ``device(T) <= device_bytes``
+derived working set. How much is alive at once differs by the kind of split (ring, Ulysses,
+hybrid: each holds a different subset of the derived terms at its peak), so a calibration may
+carry one factor per kind (``Calibration.split_factors``; on one H200 0.78 for ring 8, 0.68 for
+Ulysses 8, 0.65-0.70 for the hybrids of 8 ranks); one factor for every kind errs high by up to
+11% on the kinds it was not measured on. The longest context is the largest ``T`` with ``device(T) <= device_bytes``
 (and ``host(T) <= host_bytes`` when given); ``S = T * R * U``. ``docs/performance.md`` ("Longest
 context: the memory model") has the calibration, the validation run and the predictions for
 Llama-3-8B.
@@ -92,7 +96,7 @@ import torch
 
 from ..tiled import default_chunk_size
 
-__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "GPU_CALIBRATION", "Moment", "MemoryPrediction",
+__all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "GPU_CALIBRATION", "split_kind", "Moment", "MemoryPrediction",
            "longest_context", "calibrate_from_fit"]
 
 GiB = 2**30
@@ -168,6 +172,17 @@ class ModelShape:
         return self.layers * self.layer_parameters + self.embedding_parameters + self.hidden
 
 
+SPLIT_KINDS = ("ring", "ulysses", "hybrid")
+
+
+def split_kind(ring: int, ulysses: int) -> str | None:
+    """``"ring"`` (``R > 1, U = 1``), ``"ulysses"`` (``R = 1, U > 1``), ``"hybrid"`` (both > 1),
+    or None for one rank: the kinds whose working sets :class:`Calibration` may scale apart."""
+    if ring > 1:
+        return "hybrid" if ulysses > 1 else "ring"
+    return "ulysses" if ulysses > 1 else None
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The measured constants of Note [Memory model].
@@ -176,16 +191,36 @@ class Calibration:
         layer_factor: measured / derived bytes of one layer's working set per token.
         overhead_bytes: measured fixed bytes minus derived fixed bytes (may be negative).
         source: where and how they were measured.
+        split_factors: ``layer_factor`` measured for a kind of split (:func:`split_kind`:
+            ``"ring"``, ``"ulysses"``, ``"hybrid"``), where it differs from ``layer_factor``:
+            the derived working set sums what each kind may hold, and how much of it is alive at
+            once differs by kind (on an H200: 0.78 ring 8, 0.68 Ulysses 8, 0.65 / 0.70 at 2 x 4 /
+            4 x 2). A kind not listed uses ``layer_factor``.
     """
 
     layer_factor: float
     overhead_bytes: int
     source: str
+    split_factors: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.layer_factor, int | float) and math.isfinite(self.layer_factor)
-                and self.layer_factor > 0):
-            raise ValueError(f"Calibration: layer_factor must be a positive finite number, got {self.layer_factor!r}")
+        def check(name: str, value: object) -> None:
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0):
+                raise ValueError(f"Calibration: {name} must be a positive finite number, got {value!r}")
+
+        check("layer_factor", self.layer_factor)
+        kinds = [kind for kind, _ in self.split_factors]
+        for kind, value in self.split_factors:
+            if kind not in SPLIT_KINDS:
+                raise ValueError(f"Calibration: split_factors kind {kind!r} is not one of {SPLIT_KINDS}")
+            check(f"split_factors[{kind!r}]", value)
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"Calibration: split_factors names a kind twice: {kinds}")
+
+    def factor_for(self, ring: int, ulysses: int) -> float:
+        """The layer factor of an ``R x U`` split: its kind's measured one, else ``layer_factor``."""
+        return dict(self.split_factors).get(split_kind(ring, ulysses), self.layer_factor)
 
 
 # Measured by scripts/bench_longest.py on this project's CPU machine (bf16, one layer of a
@@ -205,17 +240,21 @@ CPU_CALIBRATION = Calibration(
 )
 
 # Measured by scripts/bench_longest.py on one NVIDIA H200 (torch 2.11, CUDA 13.0, PyTorch's bundled
-# FlashAttention; torch.cuda.max_memory_allocated): one rank of ring 8 x Ulysses 1 of a 2-layer
-# Llama-8B-shaped stack, bf16, MLP in 64 chunks, frozen embedding and lm-head, at 40,960 to 65,536
-# tokens per rank (five lengths, two of them off the 4,096-token grid), every gradient allocated
-# before the step; the fit with the checkpoints in host memory (offload) read the same factor and
-# overhead to five digits. The model is within 0.03% of all 16 measured peaks
-# (docs/performance.md, "On a GPU"). Other splits were not measured on the GPU: on the CPU the
-# ring's factor was the largest of the splits.
+# FlashAttention; torch.cuda.max_memory_allocated): one rank of a 2-layer Llama-8B-shaped stack,
+# bf16, MLP in 64 chunks, frozen embedding and lm-head, at 40,960 to 65,536 tokens per rank (five
+# lengths, two of them off the 4,096-token grid), every gradient allocated before the step.
+# layer_factor and the overhead: ring 8 x 1 (the fit with the checkpoints in host memory, offload,
+# read the same factor and overhead to five digits). split_factors: the same stack at 1 x 8
+# (0.68304; with offload the same), 2 x 4 (0.64976) and 4 x 2 (0.70107), whose fitted overheads
+# were within 3 MiB of ring 8's; "hybrid" is the larger of the two (a ring of 2 has no step whose
+# transfers overlap the previous step's, so fewer ring buffers are alive), which errs high for a
+# ring of 2. The model is within 0.05% of every peak of its split (docs/performance.md, "On a GPU").
 GPU_CALIBRATION = Calibration(
     layer_factor=0.78272,
     overhead_bytes=69_849_186,
-    source="scripts/bench_longest.py, one H200, bf16, ring 8 x 1, 2 Llama-8B-shaped layers, MLP in 64 chunks",
+    source="scripts/bench_longest.py, one H200, bf16, 2 Llama-8B-shaped layers, MLP in 64 chunks: ring 8 x 1; "
+           "split factors at 1 x 8, 2 x 4, 4 x 2",
+    split_factors=(("ulysses", 0.68304), ("hybrid", 0.70107)),
 )
 
 
@@ -520,7 +559,7 @@ def longest_context(
     if offload:  # the recomputed layer's input, copied back to the device (offload needs checkpointing)
         layer_per_token["running layer's input (copied back)"] = float(hid * e)
     layer_per_token["one layer's working set (x layer_factor)"] = (
-        cal.layer_factor * _layer_working_set(model, R, U, tiled_mlp_chunks))
+        cal.factor_for(R, U) * _layer_working_set(model, R, U, tiled_mlp_chunks))
     if checkpointing and keep_head_shards and U > 1:
         layer_per_token["kept head shards (keep_head_shards)"] = float(_kept_head_shards(model, U))
 
