@@ -192,6 +192,12 @@ class _Accumulator:
             self.value = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         return self.value
 
+    def take(self, dtype: torch.dtype) -> Tensor:
+        """The sum in ``dtype``; the accumulator lets go of it, so a cast frees the wider buffer
+        before the next accumulator's cast allocates."""
+        value, self.value = self.result(), None
+        return value.to(dtype)
+
 
 class _Output:
     """The forward's ``(out, lse)`` merged block by block by LSE (Note [LSE merge]), in the
@@ -356,6 +362,7 @@ def ring_forward(
             pending.wait()
             _record(run, "wait", i + 1)
             k_cur, v_cur = k_next, v_next
+    pending = k_cur = v_cur = k_next = v_next = None  # dead transfer buffers, freed before the cast
     return result.result(sinks)
 
 
@@ -438,11 +445,14 @@ def ring_backward(
     if grads_in is not None:
         add_home(grads_in)
         _record(run, "wait_grad", len(steps) - 1)
+    # Every transfer buffer is dead now: drop the last references before the casts below allocate
+    # the results (Note [Workspace]: fresh buffers are freed when their last user drops them).
+    grads_in = pending = sends = recvs = k_cur = v_cur = k_next = v_next = send_k = send_v = gk = gv = None
     dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
     dek = dev = None
     if dextra is not None:
-        dek, dev = dextra[0].result().to(extra_k.dtype), dextra[1].result().to(extra_v.dtype)
-    return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), dsinks, dek, dev
+        dek, dev = dextra[0].take(extra_k.dtype), dextra[1].take(extra_v.dtype)
+    return dq.take(q.dtype), dk.take(k.dtype), dv.take(v.dtype), dsinks, dek, dev
 
 
 def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
