@@ -177,14 +177,14 @@ def main() -> None:
                 raise SystemExit(f"bench_longest: the shipped {shipped_name} leaves nothing of "
                                  f"--budget-gib {args.budget_gib} for this stack; pass a larger budget") from None
             shipped = 0
-        judge = fresh if args.validate_with == "fit" else shipped_model
+        # The validation's calibration and its line.
+        judge_cal, judge = (cal, fresh) if args.validate_with == "fit" else (shipped_cal, shipped_model)
         for t in checks:
             run(t, "check (not fitted)")
         validation = None
         if not args.no_validate:
             # The prediction for the budget less the reserve; the table's model column is the line itself.
-            t_max = longest_context(shape, device_bytes=budget, reserve_bytes=reserve,
-                                    calibration=cal if args.validate_with == "fit" else shipped_cal,
+            t_max = longest_context(shape, device_bytes=budget, reserve_bytes=reserve, calibration=judge_cal,
                                     **options).longest_local_tokens
             t_over = math.ceil(1.1 * t_max)
             at, over = run(t_max, "validate: predicted longest"), run(t_over, "validate: +10%")
