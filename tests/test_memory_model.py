@@ -232,26 +232,35 @@ _H200_PEAKS = {
 }
 
 
+def _h200_stack(ring: int, ulysses: int, offload: bool) -> tuple[ModelShape, dict]:
+    """The shape and longest_context options of the H200 runs (one rank, frozen embeddings, no optimizer)."""
+    shape = ModelShape(layers=2, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
+                       dtype=torch.bfloat16)
+    return shape, dict(ring=ring, ulysses=ulysses, dp=1, offload=offload, tiled_mlp_chunks=64, zero_stage=0,
+                       optimizer_bytes_per_param=0, train_embeddings=False)
+
+
+def _refit(peaks: dict[int, int], shape: ModelShape, options: dict) -> Calibration:
+    """The calibration of recorded peaks: least-squares slope, intercept raised to the upper envelope."""
+    fit = sorted(peaks.items())
+    n, mx = len(fit), sum(t for t, _ in fit) / len(fit)
+    slope = sum((t - mx) * (b - sum(b for _, b in fit) / n) for t, b in fit) / sum((t - mx) ** 2 for t, _ in fit)
+    return calibrate_from_fit(slope, max(b - slope * t for t, b in fit), shape, source="refit", **options)
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offload"])
 def test_gpu_calibration_predicts_the_measured_h200_peaks(offload):
     """GPU_CALIBRATION with the model's derived terms reproduces every recorded H200 peak within
     0.05% (measured: 0.03%), with and without offload (one calibration for both: the offload run's own fit reads the
     same factor once the recomputed layer's input is counted back on the device). A change to a
     derived term that these measurements do not support fails here."""
-    shape = ModelShape(layers=2, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
-                       dtype=torch.bfloat16)
-    options = dict(ring=8, ulysses=1, dp=1, offload=offload, tiled_mlp_chunks=64, zero_stage=0,
-                   optimizer_bytes_per_param=0, train_embeddings=False)
+    shape, options = _h200_stack(8, 1, offload)
     p = longest_context(shape, device_bytes=10 * GiB, reserve_bytes=0, calibration=GPU_CALIBRATION, **options)
     for tokens, peak in _H200_PEAKS[offload].items():
         assert p.moment_at(tokens) == "layer"
         assert peak / p.device_bytes_at(tokens) == pytest.approx(1.0, abs=5e-4), tokens
     # Refitting the recorded points gives the shipped constants back.
-    fit = sorted(_H200_PEAKS[offload].items())
-    n, mx = len(fit), sum(t for t, _ in fit) / len(fit)
-    slope = sum((t - mx) * (b - sum(b for _, b in fit) / n) for t, b in fit) / sum((t - mx) ** 2 for t, _ in fit)
-    intercept = max(b - slope * t for t, b in fit)
-    cal = calibrate_from_fit(slope, intercept, shape, source="refit", **options)
+    cal = _refit(_H200_PEAKS[offload], shape, options)
     assert cal.layer_factor == pytest.approx(GPU_CALIBRATION.layer_factor, abs=2e-3)
     assert abs(cal.overhead_bytes - GPU_CALIBRATION.overhead_bytes) < 8 * 2**20
 
@@ -283,10 +292,7 @@ def test_gpu_split_factors_predict_the_measured_h200_peaks(split):
     the larger: at 2 x 4 the model errs high, by 4-5% (a ring of 2 holds fewer transfer buffers),
     never low."""
     R, U, offload = split
-    shape = ModelShape(layers=2, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
-                       dtype=torch.bfloat16)
-    options = dict(ring=R, ulysses=U, dp=1, offload=offload, tiled_mlp_chunks=64, zero_stage=0,
-                   optimizer_bytes_per_param=0, train_embeddings=False)
+    shape, options = _h200_stack(R, U, offload)
     p = longest_context(shape, device_bytes=10 * GiB, reserve_bytes=0, calibration=GPU_CALIBRATION, **options)
     ratios = {t: peak / p.device_bytes_at(t) for t, peak in _H200_SPLIT_PEAKS[split].items()}
     if (R, U) == (2, 4):
@@ -294,10 +300,7 @@ def test_gpu_split_factors_predict_the_measured_h200_peaks(split):
     else:
         assert all(abs(r - 1.0) < 5e-4 for r in ratios.values()), ratios
     # The factor refitted from these peaks is the shipped one of the kind (2 x 4: lower).
-    fit = sorted(_H200_SPLIT_PEAKS[split].items())
-    n, mx = len(fit), sum(t for t, _ in fit) / len(fit)
-    slope = sum((t - mx) * (b - sum(b for _, b in fit) / n) for t, b in fit) / sum((t - mx) ** 2 for t, _ in fit)
-    cal = calibrate_from_fit(slope, max(b - slope * t for t, b in fit), shape, source="refit", **options)
+    cal = _refit(_H200_SPLIT_PEAKS[split], shape, options)
     shipped = GPU_CALIBRATION.factor_for(R, U)
     if (R, U) == (2, 4):
         assert 0.9 * shipped < cal.layer_factor < shipped
