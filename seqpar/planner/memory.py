@@ -196,6 +196,11 @@ class Calibration:
             the derived working set sums what each kind may hold, and how much of it is alive at
             once differs by kind (on an H200: 0.78 ring 8, 0.68 Ulysses 8, 0.65 / 0.70 at 2 x 4 /
             4 x 2). A kind not listed uses ``layer_factor``.
+
+    Raises:
+        ValueError: a factor that is not a positive finite number, a ``split_factors`` kind other
+            than ``"ring"``, ``"ulysses"``, ``"hybrid"``, or a kind named twice (the message
+            shows the value).
     """
 
     layer_factor: float
