@@ -14,6 +14,9 @@ configuration and length it reports
   and the bytes the rank hands to all-to-alls and ring sends;
 - with ``--varlen``: the same tokens as packed documents of mixed lengths (log-uniform from 128
   tokens to a quarter of the sequence) through ``seqpar.varlen_attention``, next to dense;
+- with ``--workspace both``: every run twice, once with fresh transfer and staging buffers per
+  call (the default state) and once with a kept arena (``seqpar.comm.Workspace(keep=True)``), and
+  a table of kept / fresh time and peak memory (the peak counts the arena);
 - with ``--max-len``: the longest global sequence whose one-rank forward+backward fits in the
   device's memory, for ``--max-len-configs`` (default 8 and 64 ranks), found by doubling and
   bisection on OOM; ``--probe stub`` (default) replaces the attention kernels by allocations of
@@ -28,6 +31,7 @@ adds the transfer time the ring does not hide and the all-to-all time.
 
     python scripts/bench_gpu_rank.py                                   # on a GPU: the issue's figures
     python scripts/bench_gpu_rank.py --configs 8x1,1x8,2x4 --local-lens 4096,65536 --varlen
+    python scripts/bench_gpu_rank.py --workspace both --local-lens 4096,16384 --iters 10
     python scripts/bench_gpu_rank.py --max-len --max-len-configs 8x1,64x1,8x8 --no-efficiency
     python scripts/bench_gpu_rank.py --device cpu --configs 2x1,1x2 --local-lens 256 \\
         --heads 4 --kv-heads 2 --head-dim 16                           # plumbing check on a CPU
@@ -79,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-rank", type=int, default=0, help="the rank each configuration runs")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: CUDA when available")
     p.add_argument("--varlen", action="store_true", help="also packed documents of mixed lengths, same tokens")
+    p.add_argument("--workspace", default="fresh", choices=("fresh", "kept", "both"),
+                   help="transfer/staging buffers: fresh per call (default), a kept arena, or both (compared)")
     p.add_argument("--efficiency", action=argparse.BooleanOptionalAction, default=True,
                    help="run the timed configurations (off: only --max-len)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations (median)")
@@ -122,10 +128,11 @@ def main() -> None:
                            [(n * R * U, n) for n in _ints(args.local_lens, "--local-lens")])
                 for S, local in lengths:
                     for varlen in (False, True) if args.varlen else (False,):
-                        cp_rank = args.cp_rank % (R * U)
-                        tasks.append(OneRankConfig(R, U, S, cp_rank=cp_rank, batch=1 if varlen else args.batch,
-                                                   varlen=varlen, **common))
-                        kinds.append(("run", R, U, S, local, varlen))
+                        for ws in ("fresh", "kept") if args.workspace == "both" else (args.workspace,):
+                            cp_rank = args.cp_rank % (R * U)
+                            tasks.append(OneRankConfig(R, U, S, cp_rank=cp_rank, batch=1 if varlen else args.batch,
+                                                       varlen=varlen, keep_workspace=ws == "kept", **common))
+                            kinds.append(("run", R, U, S, local, varlen, ws))
         if args.max_len:
             limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * GIB)
             if device == "cpu" and limit is None:
@@ -147,16 +154,19 @@ def main() -> None:
 
     def started(i: int) -> None:
         kind = kinds[i]
-        what = f"S={kind[3]}{' varlen' if kind[5] else ''}" if kind[0] == "run" else f"longest {kind[3]} sequence"
+        what = (f"S={kind[3]}{' varlen' if kind[5] else ''}, {kind[6]} workspace" if kind[0] == "run" else f"longest {kind[3]} sequence")
         progress("bench_gpu_rank", f"task {i + 1}/{len(tasks)}: ring {kind[1]} x ulysses {kind[2]}, {what}")
 
     results = run_tasks(tasks, timeout_s=args.timeout, on_start=started)
     runs = [_run_row(k, r) for k, r in zip(kinds, results) if k[0] == "run"]
     _add_dense_ratio(runs)
+    kept_vs_fresh = _kept_vs_fresh(runs)
     searches = [_max_len_row(k, r) for k, r in zip(kinds, results) if k[0] == "max_len"]
     env = next((r["environment"] for r in results if "environment" in r), {"device": device})
-    problem = {**common, "batch": args.batch, "cp_rank": args.cp_rank, "varlen": args.varlen}
-    report = {"environment": env, "problem": problem, "runs": runs, "max_len": searches}
+    problem = {**common, "batch": args.batch, "cp_rank": args.cp_rank, "varlen": args.varlen,
+               "workspace": args.workspace}
+    report = {"environment": env, "problem": problem, "runs": runs, "kept_vs_fresh": kept_vs_fresh,
+              "max_len": searches}
 
     notes = [
         None if device == "cuda" else
@@ -186,15 +196,15 @@ def main() -> None:
 
 def _label(kind: tuple) -> str:
     if kind[0] == "run":
-        _, R, U, S, _, varlen = kind
-        return f"{R}x{U} {'packed' if varlen else 'dense'} S={S}"
+        _, R, U, S, _, varlen, ws = kind
+        return f"{R}x{U} {'packed' if varlen else 'dense'} S={S} {ws} workspace"
     return f"max-len {kind[1]}x{kind[2]} {kind[3]}"
 
 
 def _run_row(kind: tuple, r: dict) -> dict:
-    _, R, U, S, local, varlen = kind
+    _, R, U, S, local, varlen, ws = kind
     row = {"config": f"{R}x{U}", "ring": R, "ulysses": U, "mode": "packed" if varlen else "dense", "seq_len": S,
-           "local_tokens": r.get("local_tokens", local)}
+           "local_tokens": r.get("local_tokens", local), "workspace": ws}
     if "error" in r or r.get("oom"):
         row["error"] = r.get("error", "out of memory")
         return row
@@ -219,12 +229,30 @@ def _run_row(kind: tuple, r: dict) -> dict:
 
 def _add_dense_ratio(runs: list[dict]) -> None:
     """Packed rows get ``time_vs_dense``/``flops_vs_dense``: their fwd+bwd over the dense row's."""
-    dense = {(r["config"], r["seq_len"]): r for r in runs if r["mode"] == "dense" and "error" not in r}
+    dense = {(r["config"], r["seq_len"], r["workspace"]): r for r in runs if r["mode"] == "dense" and "error" not in r}
     for r in runs:
-        d = dense.get((r["config"], r["seq_len"]))
+        d = dense.get((r["config"], r["seq_len"], r["workspace"]))
         if r["mode"] == "packed" and d is not None and "error" not in r:
             r["time_vs_dense"] = (r["fwd_ms"] + r["bwd_ms"]) / (d["fwd_ms"] + d["bwd_ms"])
             r["flops_vs_dense"] = r["fwd_flops"] / d["fwd_flops"] if d["fwd_flops"] else None
+
+
+def _kept_vs_fresh(runs: list[dict]) -> list[dict]:
+    """Per run measured both ways: kept-arena / fresh-buffer fwd+bwd time and peak memory."""
+    fresh = {(r["config"], r["mode"], r["seq_len"]): r for r in runs if r["workspace"] == "fresh" and "error" not in r}
+    out = []
+    for k in runs:
+        f = fresh.get((k["config"], k["mode"], k["seq_len"]))
+        if k["workspace"] != "kept" or "error" in k or f is None:
+            continue
+        row = {"config": k["config"], "mode": k["mode"], "seq_len": k["seq_len"], "local_tokens": k["local_tokens"],
+               "fresh_ms": f["fwd_ms"] + f["bwd_ms"], "kept_ms": k["fwd_ms"] + k["bwd_ms"],
+               "fresh_peak_bytes": f["peak_bytes"], "kept_peak_bytes": k["peak_bytes"],
+               "arena_bytes": k["workspace_bytes"]}
+        row["time_ratio"] = row["kept_ms"] / row["fresh_ms"]
+        row["peak_ratio"] = (k["peak_bytes"] / f["peak_bytes"]) if k["peak_bytes"] and f["peak_bytes"] else None
+        out.append(row)
+    return out
 
 
 def _max_len_row(kind: tuple, r: dict) -> dict:
@@ -250,17 +278,17 @@ def _text(report: dict, args: argparse.Namespace) -> str:
             f"backend {p['backend']}, cp rank {p['cp_rank']}, median of {p['iters']}")
     parts = [head]
     if report["runs"]:
-        cols = ["config", "mode", "S_local", "S", "fwd ms", "bwd ms", "fwd TF/s", "bwd TF/s", "mono TF/s f/b",
+        cols = ["config", "mode", "workspace", "S_local", "S", "fwd ms", "bwd ms", "fwd TF/s", "bwd TF/s", "mono TF/s f/b",
                 "eff fwd", "eff bwd", "eff f+b", "kernel share", "calls f/b", "peak GiB", "vs dense"]
         rows = []
         for r in report["runs"]:
             if "error" in r:
-                rows.append([r["config"], r["mode"], r["local_tokens"], r["seq_len"], f"ERROR: {r['error'][:60]}"]
-                            + [None] * (len(cols) - 5))
+                rows.append([r["config"], r["mode"], r["workspace"], r["local_tokens"], r["seq_len"],
+                             f"ERROR: {r['error'][:60]}"] + [None] * (len(cols) - 6))
                 continue
             calls = r["kernel_calls"]
             rows.append([
-                r["config"], r["mode"], r["local_tokens"], r["seq_len"], f"{r['fwd_ms']:.2f}", f"{r['bwd_ms']:.2f}",
+                r["config"], r["mode"], r["workspace"], r["local_tokens"], r["seq_len"], f"{r['fwd_ms']:.2f}", f"{r['bwd_ms']:.2f}",
                 _fmt(r["fwd_tflops"], ".1f"), _fmt(r["bwd_tflops"], ".1f"),
                 None if r["monolithic_fwd_tflops"] is None else
                 f"{r['monolithic_fwd_tflops']:.1f}/{r['monolithic_bwd_tflops']:.1f}",
@@ -273,6 +301,16 @@ def _text(report: dict, args: argparse.Namespace) -> str:
         parts += ["", table(cols, rows),
                   "eff = (rank FLOP/s) / (FLOP/s of one kernel call of equal pairs, rank's heads); kernel share = "
                   "kernel time / rank time; vs dense = packed fwd+bwd time / dense fwd+bwd time on the same tokens"]
+    if report["kept_vs_fresh"]:
+        cols = ["config", "mode", "S_local", "fresh ms", "kept ms", "kept/fresh time", "fresh peak GiB",
+                "kept peak GiB", "arena GiB", "kept/fresh peak"]
+        rows = [[r["config"], r["mode"], r["local_tokens"], f"{r['fresh_ms']:.2f}", f"{r['kept_ms']:.2f}",
+                 f"{r['time_ratio']:.3f}", _fmt(None if r["fresh_peak_bytes"] is None else r["fresh_peak_bytes"] / GIB),
+                 _fmt(None if r["kept_peak_bytes"] is None else r["kept_peak_bytes"] / GIB),
+                 _fmt(None if r["arena_bytes"] is None else r["arena_bytes"] / GIB), _fmt(r["peak_ratio"])]
+                for r in report["kept_vs_fresh"]]
+        parts += ["", "kept arena (Workspace(keep=True)) vs fresh buffers per call (the default), fwd+bwd "
+                  "medians; the kept peak counts the arena:", table(cols, rows)]
     if report["max_len"]:
         cols = ["config", "ranks", "model", "max S", "S_local", "peak GiB", "limit GiB", "first failing S",
                 "probes", "probe", "stub/real peak"]

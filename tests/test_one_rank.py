@@ -72,11 +72,16 @@ def test_rank_work_sums_to_the_mask():
 @pytest.mark.slow
 def test_measure_reports_figures_and_bad_configs_raise():
     config = dataclasses.replace(CASES["2x2 dense causal"], warmup=1, iters=2, cp_rank=3)
-    out = run_tasks([config], timeout_s=300)[0]
-    assert "error" not in out, out
+    out, kept = run_tasks([config, dataclasses.replace(config, keep_workspace=True)], timeout_s=300)
+    for r in (out, kept):
+        assert "error" not in r, r
     assert out["fwd_ms"] > 0 and out["bwd_ms"] > 0 and out["efficiency"] > 0
     assert out["memory"]["peak_bytes"] >= out["memory"]["in_call_peak_bytes"] > 0
     assert out["monolithic"]["fwd_flops"] > 0
+    # Fresh buffers keep nothing between calls; a kept arena is held and counted before the call.
+    assert out["memory"]["workspace_bytes"] == 0
+    assert kept["memory"]["workspace_bytes"] > 0
+    assert kept["memory"]["before_call_bytes"] >= out["memory"]["before_call_bytes"] + kept["memory"]["workspace_bytes"]
     with pytest.raises(ValueError, match="cp_rank"):
         dataclasses.replace(config, cp_rank=4).validate()
     with pytest.raises(ValueError, match="varlen"):

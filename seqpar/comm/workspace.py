@@ -13,7 +13,9 @@ while it is live and nothing stays allocated between calls (memory the model's o
 loss and the optimizer can use). It is the smaller footprint (``scripts/bench_memory.py``,
 ``docs/performance.md``); glibc and CUDA's caching allocator both reuse freed blocks of these
 sizes. Whether the kept arena below wins time was not resolvable on the shared CPU machine the
-figures come from; on CUDA it is still to be measured.
+figures come from; on an H200 it won none (kept / fresh time 0.998-1.015 at ring 8, Ulysses 8 and
+2 x 4, 4k and 32k tokens per rank) and raised the Ulysses and hybrid peaks by 1.31-1.32x
+(``scripts/bench_gpu_rank.py --workspace both``, ``docs/performance.md``).
 
 With ``keep=True`` the buffers come from one arena per device, kept for later calls: inside a
 :meth:`Workspace.scope` (``seqpar.parallel.hybrid`` opens one around each forward and each

@@ -135,6 +135,8 @@ class OneRankConfig:
         monolithic: also time the equal-FLOP single kernel call (efficiency).
         memory: measure peak memory in an extra iteration.
         threads: CPU threads (``torch.set_num_threads``); ``None`` leaves torch's default.
+        keep_workspace: the state keeps one arena for later calls (``seqpar.comm.Workspace(keep=
+            True)``, Note [Workspace]) instead of fresh buffers per call (the default).
         seed: of the random inputs (and of the default document lengths).
     """
 
@@ -162,6 +164,7 @@ class OneRankConfig:
     monolithic: bool = True
     memory: bool = True
     threads: int | None = None
+    keep_workspace: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -685,9 +688,12 @@ def _environment(device: torch.device) -> dict:
 
 
 def _new_state(config: OneRankConfig):
+    from ..comm.workspace import Workspace
     from ..state import ParallelState
 
-    return ParallelState(config.ring, config.ulysses, checks="never")
+    state = ParallelState(config.ring, config.ulysses, checks="never")
+    state.workspace = Workspace(keep=config.keep_workspace)
+    return state
 
 
 def _resolve_inner(config: OneRankConfig, device: torch.device):
