@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import Union
 
 import torch
 
 __all__ = ["check_qkv", "check_value_shape", "check_gqa", "check_mask_options", "check_scale", "check_sinks"]
+
+
+# A message prefix, or a function building it: the checks call it only when they raise, so a
+# call that passes builds no string (they run on every attention call).
+Context = Union[str, Callable[[], str]]
+
+
+def _text(context: Context) -> str:
+    return context if isinstance(context, str) else context()
+
+
+def _is_int(x: object) -> bool:
+    """An integer that is not a bool (numpy and other ``numbers.Integral`` scalars too)."""
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
 def check_qkv(q: object, k: object, v: object, *, ndim: int, shape_doc: str, where: str) -> None:
@@ -39,7 +55,7 @@ def check_qkv(q: object, k: object, v: object, *, ndim: int, shape_doc: str, whe
 
 
 def check_value_shape(
-    k_shape: tuple[int, ...], v_shape: tuple[int, ...], dims: str, where: str, context: str = ""
+    k_shape: tuple[int, ...], v_shape: tuple[int, ...], dims: str, where: str, context: Context = ""
 ) -> None:
     """Raise unless v agrees with k on every dim but the last and has a head dim ``Dv >= 1``.
 
@@ -49,7 +65,8 @@ def check_value_shape(
     Args:
         k_shape, v_shape: ``[..., Hkv, D]`` and ``[..., Hkv, Dv]`` (bshd or packed ``[T, Hkv, .]``).
         dims: the names of the leading dims for the message, e.g. ``"(B, S_local, Hkv)"``.
-        where, context: prefixed to the message.
+        where, context: prefixed to the message (``context`` may be a function building it,
+            called only when the check fails).
 
     Raises:
         ValueError: naming both shapes, the dims that must agree and the fix.
@@ -57,16 +74,17 @@ def check_value_shape(
     k_shape, v_shape = tuple(k_shape), tuple(v_shape)
     if k_shape[:-1] != v_shape[:-1]:
         raise ValueError(
-            f"{where}: {context}k and v must agree on {dims} = {k_shape[:-1]}, got v with "
+            f"{where}: {_text(context)}k and v must agree on {dims} = {k_shape[:-1]}, got v with "
             f"{v_shape[:-1]}; only the value head dim (the last dim, Dv) may differ from k's (MLA). "
             "Pass k and v of the same tokens and key/value heads"
         )
     if v_shape[-1] < 1:
-        raise ValueError(f"{where}: {context}the value head dim must be positive, got Dv={v_shape[-1]}")
+        raise ValueError(f"{where}: {_text(context)}the value head dim must be positive, got Dv={v_shape[-1]}")
 
 
-def check_gqa(num_heads: int, num_kv_heads: int, where: str, context: str = "") -> None:
-    """Raise unless ``num_heads`` is a positive multiple of ``num_kv_heads`` (GQA/MQA).
+def check_gqa(num_heads: int, num_kv_heads: int, where: str, context: Context = "") -> None:
+    """Raise unless ``num_heads`` is a positive multiple of ``num_kv_heads`` (GQA/MQA);
+    ``context`` as in :func:`check_value_shape`.
 
     Raises:
         ValueError: naming both counts and the valid ``Hkv`` values.
@@ -74,7 +92,7 @@ def check_gqa(num_heads: int, num_kv_heads: int, where: str, context: str = "") 
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
         divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
         raise ValueError(
-            f"{where}: {context}the H={num_heads} query heads must be a positive multiple of the "
+            f"{where}: {_text(context)}the H={num_heads} query heads must be a positive multiple of the "
             f"Hkv={num_kv_heads} key/value heads (GQA); use Hkv in {divisors}"
         )
 
@@ -98,7 +116,7 @@ def check_mask_options(
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1 for w in window)
+        or any(not _is_int(w) or w < -1 for w in window)
     ):
         raise ValueError(
             f"{where}: window must be (left, right) with ints >= -1 (-1 = unbounded), got {window!r}"
@@ -109,9 +127,7 @@ def check_mask_options(
             f"{where}: window={window!r} lets queries see {right} later keys, which contradicts "
             "causal=True; pass window=(left, 0) (or -1) for causal sliding-window attention"
         )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1
-    ):
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}")
     if (
         isinstance(softcap, bool)

@@ -362,8 +362,9 @@ def prepare_dense(
         )
     if D < 1:
         raise ValueError(f"{where}: {shapes()}: the head dim must be positive, got D={D}")
-    check_value_shape(kb.shape, vb.shape, "(B, S_local, Hkv)", where, context=f"{shapes()}: ")
-    check_gqa(H, Hkv, where, context=f"{shapes()}: ")
+    context = lambda: f"{shapes()}: "  # noqa: E731 -- built only when a check raises
+    check_value_shape(kb.shape, vb.shape, "(B, S_local, Hkv)", where, context=context)
+    check_gqa(H, Hkv, where, context=context)
     check_sinks(sinks, H, q, where)
     slopes = check_alibi_slopes(alibi_slopes, H, q, where)
     if slopes is not None and (o.prefix or o.suffix):
@@ -441,7 +442,7 @@ def prepare_varlen(
             "[T, Hkv, D], [T, Hkv, Dv] with the same T and D (Dv may differ from D)"
         )
     check_value_shape(k.shape, v.shape, "(T_local, Hkv)", where,
-                      context=f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: ")
+                      context=lambda: f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: ")
     T, H, D = q.shape
     Hkv = k.shape[1]
     check_gqa(H, Hkv, where)

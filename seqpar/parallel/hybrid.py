@@ -184,10 +184,14 @@ def hybrid_backward(
         return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes)
 
 
+_NO_SCOPE = contextlib.nullcontext()
+
+
 def _scope(setup: HybridSetup):
-    """The workspace scope of one forward or backward (a no-op without a workspace)."""
+    """The workspace scope of one forward or backward: a no-op without a workspace or with one
+    that keeps nothing (every buffer is fresh inside a scope and out, Note [Workspace])."""
     workspace = setup.ring.workspace
-    return workspace.scope() if workspace is not None else contextlib.nullcontext()
+    return workspace.scope() if workspace is not None and workspace.keep else _NO_SCOPE
 
 
 def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, ...]:

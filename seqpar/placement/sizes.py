@@ -16,6 +16,8 @@ def as_int(value: object, name: str, where: str, *, minimum: int = 0) -> int:
     Raises:
         ValueError: a bool, a non-integer, or a value below ``minimum``, naming ``name``.
     """
+    if type(value) is int and value >= minimum:  # the common case, without the checks below
+        return value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
