@@ -150,11 +150,20 @@ def test_bench_overhead_plot(tmp_path):
     proc = _run(["scripts/bench_overhead.py", "--seq-len", "16", "--iters", "2", "--rounds", "2", "--plot", str(png)],
                 timeout=120)
     _check_plot(proc, png)
-    assert json.loads(proc.stdout.splitlines()[-1])["args"]["plot"] == str(png)
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["args"]["plot"] == str(png)
+    # Three sides per round: seqpar, the bare autograd function and the direct kernel calls.
+    for r in report["rounds"]:
+        assert r["seqpar_s"] > 0 and r["autograd_s"] > 0 and r["kernel_s"] > 0, r
+        assert r["ratio"] == pytest.approx(r["seqpar_s"] / r["kernel_s"])
+        assert r["ratio_vs_autograd"] == pytest.approx(r["seqpar_s"] / r["autograd_s"])
     # stderr: which seqpar runs (this checkout's), then a line per round.
     err = proc.stderr.splitlines()
     assert any(line.startswith("bench_overhead.py: seqpar ") and f"from {ROOT / 'seqpar'} " in line for line in err), err
     assert sum("bench_overhead: round " in line for line in err) == 2, err
+    # --only: calls of one side for an instruction counter, no report.
+    proc = _run(["scripts/bench_overhead.py", "--seq-len", "4", "--only", "autograd", "--calls", "3"], timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_plot_bars_start_at_zero_with_the_ideal_as_a_line():
