@@ -107,19 +107,25 @@ def _exchange(
 
     # With one rank the staging block is the output: it is staged where the output must live.
     staging = buffer(out_role if n == 1 else "all_to_all.staging", sum(send_numel))
-    for j, off in enumerate(offsets(send_numel)[:-1]):
-        block = staging[off : off + send_numel[j]].view(send_shapes[j])
-        sub = 0
-        for t, x in enumerate(xs):
-            start, length = ranges[t if stack == "scatter" else 0][j]
-            piece = x.narrow(scatter_dim, start, length).movedim(gather_dim, 0)
+    block_off = offsets(send_numel)
+    subs = [0] * n  # per destination: where the next tensor's piece starts in its block
+    for t, x in enumerate(xs):
+        r = ranges[t if stack == "scatter" else 0]
+        # Destinations j0 .. j0 + m - 1 whose pieces are consecutive in x and whose blocks are
+        # consecutive and alike in the staging buffer take one strided copy (Note [Staging runs]).
+        for j0, m in _runs(r, subs, send_numel, block_off):
+            start, length = r[j0]
+            if length == 0:
+                continue
+            src = x.narrow(scatter_dim, start, m * length).movedim(gather_dim, 0)
+            src = src.unflatten(sd_m, (m, length)).movedim(sd_m, 0)  # [m, *block with length]
+            blocks = staging[block_off[j0] : block_off[j0 + m]].view(m, *send_shapes[j0])
             if stack == "scatter":
-                if length:
-                    block.narrow(sd_m, sub, length).copy_(piece)
-                sub += length
+                blocks.narrow(sd_m + 1, subs[j0], length).copy_(src)
             else:
-                block.narrow(0, sub, piece.shape[0]).copy_(piece)
-                sub += piece.shape[0]
+                blocks.narrow(1, subs[j0], src.shape[1]).copy_(src)
+        step = [length for _, length in r] if stack == "scatter" else [x.shape[gather_dim]] * n
+        subs = [a + b for a, b in zip(subs, step)]
     if release_inputs:
         piece = x = None  # the loop's last references
         xs.clear()
@@ -134,6 +140,34 @@ def _exchange(
     out = _empty_moved(out_shape, gather_dim, x0)
     dist.all_to_all_single(out.as_strided((out.numel(),), (1,)), staging, recv_numel, send_numel, group=group)
     return out
+
+
+# Note [Staging runs]
+# ~~~~~~~~~~~~~~~~~~~
+# The staging buffer holds one contiguous block per destination rank. Copying each tensor's
+# piece for each destination separately costs one copy per (tensor, rank): a fixed host cost
+# per call that grows with the group (8 ranks: 8 launches per tensor on a GPU). Near-even
+# splits (``split_sizes``) give at most two piece lengths, the longer first, so the destinations
+# fall into at most two runs whose pieces are consecutive along the scatter dim and whose blocks
+# are consecutive and of one shape: each run is one strided copy of ``[m, *block]``. Ranges that
+# are not laid out that way (overlapping or reordered pieces) fall back to runs of one.
+
+
+def _runs(r: Ranges, subs: Sequence[int], numel: Sequence[int], off: Sequence[int]) -> list[tuple[int, int]]:
+    """``(j0, m)``: maximal runs of destinations ``j0 .. j0 + m - 1`` whose pieces ``r[j]``
+    (``(start, length)``) follow each other with one length, at one offset ``subs[j]`` in blocks
+    of one size ``numel[j]`` that follow each other in the staging buffer (``off``)."""
+    runs: list[tuple[int, int]] = []
+    j0 = 0
+    for j in range(1, len(r) + 1):
+        if j < len(r):
+            (s0, l0), (s, length) = r[j - 1], r[j]
+            if (length == l0 and s == s0 + l0 and subs[j] == subs[j0] and numel[j] == numel[j0]
+                    and off[j] == off[j - 1] + numel[j - 1]):
+                continue
+        runs.append((j0, j - j0))
+        j0 = j
+    return runs
 
 
 def _empty_moved(shape: Sequence[int], gather_dim: int, like: torch.Tensor) -> torch.Tensor:
