@@ -304,3 +304,31 @@ def _memory_cases():
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_memory_bound(pools, world):
     assert all(pools(world).run(_memory_cases))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8])
+def test_staging_copy_is_bitwise_in_words_or_elements(dtype):
+    """The staging copy moves 8-byte words where the layouts allow and elements elsewhere; both
+    keep every bit (NaN payloads included): compared as raw bytes."""
+    from seqpar.comm.all_to_all import _copy, _words_fit
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (3, 10, 6, 16 * 8), generator=g, dtype=torch.uint8)
+    src_all = raw.view(dtype)  # arbitrary bit patterns, NaNs and infs among them for floats
+    k = 8 // src_all.element_size() if src_all.element_size() < 8 else 1
+    cases = [
+        (slice(None), slice(None), slice(None)),  # whole: words where k > 1
+        (slice(1, 3), slice(2, 7), slice(None)),  # strided outer dims, contiguous last
+        (slice(None), slice(None), slice(1, 2 * k + 1 if k > 1 else 3)),  # last dim offset: elements
+        (slice(None), slice(None), slice(0, 3)),  # last dim not whole words (for k > 1)
+    ]
+    for i, (a, b, c) in enumerate(cases):
+        src = src_all[:, a, b, c].movedim(1, 0)
+        dst_all = torch.zeros((src.shape[0], src.shape[1] + 1, *src.shape[2:]), dtype=dtype)
+        dst = dst_all[:, 1:]
+        _copy(dst, src)
+        assert torch.equal(dst.contiguous().view(torch.uint8), src.contiguous().view(torch.uint8)), (dtype, i)
+        assert torch.equal(dst_all[:, :1].view(torch.uint8), torch.zeros_like(dst_all[:, :1]).view(torch.uint8))
+    # Which path each layout takes.
+    assert _words_fit(src_all, 2) and not _words_fit(src_all[..., 1:], 2)
+    assert not _words_fit(src_all.transpose(-1, -2), 2)

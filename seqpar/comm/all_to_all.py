@@ -121,9 +121,9 @@ def _exchange(
             src = src.unflatten(sd_m, (m, length)).movedim(sd_m, 0)  # [m, *block with length]
             blocks = staging[block_off[j0] : block_off[j0 + m]].view(m, *send_shapes[j0])
             if stack == "scatter":
-                blocks.narrow(sd_m + 1, subs[j0], length).copy_(src)
+                _copy(blocks.narrow(sd_m + 1, subs[j0], length), src)
             else:
-                blocks.narrow(1, subs[j0], src.shape[1]).copy_(src)
+                _copy(blocks.narrow(1, subs[j0], src.shape[1]), src)
         step = [length for _, length in r] if stack == "scatter" else [x.shape[gather_dim]] * n
         subs = [a + b for a, b in zip(subs, step)]
     if release_inputs:
@@ -150,7 +150,27 @@ def _exchange(
 # splits (``split_sizes``) give at most two piece lengths, the longer first, so the destinations
 # fall into at most two runs whose pieces are consecutive along the scatter dim and whose blocks
 # are consecutive and of one shape: each run is one strided copy of ``[m, *block]``. Ranges that
-# are not laid out that way (overlapping or reordered pieces) fall back to runs of one.
+# are not laid out that way (overlapping or reordered pieces) fall back to runs of one. Where the
+# last dim is contiguous and whole 8-byte words long, the copy moves int64 words instead of the
+# dtype's elements (a strided copy costs per element: bf16 moves 4 x fewer elements).
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors of one dtype and shape, moved as 8-byte words where both
+    layouts allow it (Note [Staging runs]): a strided copy of 2-byte elements moves a quarter
+    of the bytes per element that it could. Bitwise either way."""
+    k = 8 // src.element_size() if src.element_size() < 8 else 1
+    if k > 1 and _words_fit(dst, k) and _words_fit(src, k):
+        dst.view(torch.int64).copy_(src.detach().view(torch.int64))
+    else:
+        dst.copy_(src)
+
+
+def _words_fit(t: torch.Tensor, k: int) -> bool:
+    """Whether ``t.view(torch.int64)`` is valid: ``k`` elements per word along a unit-stride
+    last dim, every other stride and the offset whole words."""
+    return (t.stride(-1) == 1 and t.shape[-1] % k == 0 and t.storage_offset() % k == 0
+            and all(s % k == 0 for s in t.stride()[:-1]))
 
 
 def _runs(r: Ranges, subs: Sequence[int], numel: Sequence[int], off: Sequence[int]) -> list[tuple[int, int]]:
