@@ -332,3 +332,41 @@ def test_staging_copy_is_bitwise_in_words_or_elements(dtype):
     # Which path each layout takes.
     assert _words_fit(src_all, 2) and not _words_fit(src_all[..., 1:], 2)
     assert not _words_fit(src_all.transpose(-1, -2), 2)
+
+
+def _released_input_cases():
+    """With release_inputs, an input whose last reference the list held is freed once staged,
+    before the output is allocated (no view of it left behind by the staging loop)."""
+    import importlib
+    import weakref
+
+    a2a = importlib.import_module("seqpar.comm.all_to_all")  # the module (the package exports a function of that name)
+
+    n = dist.get_world_size()
+    S, H, D = 8 * n, 4 * n, 16
+    seen = []
+    allocate = a2a._empty_moved
+
+    for release in (False, True):
+        xs = [torch.randn(1, S // n, H, D)]
+        alive = weakref.ref(xs[0])
+
+        def spy(*args, **kwargs):
+            seen.append((release, alive() is not None))
+            return allocate(*args, **kwargs)
+
+        a2a._empty_moved = spy
+        try:
+            out = a2a.fused_all_to_all(xs, None, 2, 1, [[(4 * j, 4) for j in range(n)]], [S // n] * n,
+                                       release_inputs=release)
+        finally:
+            a2a._empty_moved = allocate
+        assert out[0].shape == (1, S, 4, D)
+    # Without release the caller's list still holds the input; with it, nothing does.
+    assert seen == [(False, True), (True, False)], seen
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_releases_its_inputs_before_the_output(pools, world):
+    assert all(pools(world).run(_released_input_cases))

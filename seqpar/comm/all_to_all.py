@@ -80,6 +80,7 @@ def _exchange(
     """
     n, me = group_size(group), group_rank(group)
     x0 = xs[0]
+    dtype, device = x0.dtype, x0.device
     sd_m = _moved_dim(scatter_dim, gather_dim)
     base = _moved_shape(x0.shape, gather_dim)  # [g, ...]: dim 0 and the scatter entry vary
     if stack == "scatter":
@@ -102,8 +103,8 @@ def _exchange(
 
     def buffer(role: str | None, numel: int) -> torch.Tensor:
         if workspace is not None and role is not None:
-            return workspace.get(role, (numel,), x0.dtype, x0.device)
-        return torch.empty(numel, dtype=x0.dtype, device=x0.device)
+            return workspace.get(role, (numel,), dtype, device)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     # With one rank the staging block is the output: it is staged where the output must live.
     staging = buffer(out_role if n == 1 else "all_to_all.staging", sum(send_numel))
@@ -127,17 +128,17 @@ def _exchange(
         step = [length for _, length in r] if stack == "scatter" else [x.shape[gather_dim]] * n
         subs = [a + b for a, b in zip(subs, step)]
     if release_inputs:
-        piece = x = None  # the loop's last references
+        x0 = src = x = None  # this function's last references (src: a view of the last input)
         xs.clear()
     if n == 1:
         return staging.view(out_shape).movedim(0, gather_dim)
     if workspace is not None and out_role is not None:
-        recv = workspace.get(out_role, (sum(recv_numel),), x0.dtype, x0.device)
+        recv = workspace.get(out_role, (sum(recv_numel),), dtype, device)
         dist.all_to_all_single(recv, staging, recv_numel, send_numel, group=group)
         return recv.view(out_shape).movedim(0, gather_dim)
     # A fresh output is allocated in its final dim order, so that it is a tensor of its own (not
     # a view): callers may then modify it in place.
-    out = _empty_moved(out_shape, gather_dim, x0)
+    out = _empty_moved(out_shape, gather_dim, staging)
     dist.all_to_all_single(out.as_strided((out.numel(),), (1,)), staging, recv_numel, send_numel, group=group)
     return out
 
@@ -191,7 +192,8 @@ def _runs(r: Ranges, subs: Sequence[int], numel: Sequence[int], off: Sequence[in
 
 
 def _empty_moved(shape: Sequence[int], gather_dim: int, like: torch.Tensor) -> torch.Tensor:
-    """``torch.empty(shape).movedim(0, gather_dim)`` as a base tensor (same strides, no view)."""
+    """``torch.empty(shape).movedim(0, gather_dim)`` as a base tensor (same strides, no view),
+    of ``like``'s dtype and device."""
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
