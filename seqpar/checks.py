@@ -9,6 +9,8 @@ from typing import Union
 
 import torch
 
+from .placement.sizes import is_int
+
 __all__ = ["check_qkv", "check_value_shape", "check_gqa", "check_mask_options", "check_scale", "check_sinks"]
 
 
@@ -19,11 +21,6 @@ Context = Union[str, Callable[[], str]]
 
 def _text(context: Context) -> str:
     return context if isinstance(context, str) else context()
-
-
-def _is_int(x: object) -> bool:
-    """An integer that is not a bool (numpy and other ``numbers.Integral`` scalars too)."""
-    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
 def check_qkv(q: object, k: object, v: object, *, ndim: int, shape_doc: str, where: str) -> None:
@@ -116,7 +113,7 @@ def check_mask_options(
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2
-        or any(not _is_int(w) or w < -1 for w in window)
+        or any(not is_int(w) or w < -1 for w in window)
     ):
         raise ValueError(
             f"{where}: window must be (left, right) with ints >= -1 (-1 = unbounded), got {window!r}"
@@ -127,7 +124,7 @@ def check_mask_options(
             f"{where}: window={window!r} lets queries see {right} later keys, which contradicts "
             "causal=True; pass window=(left, 0) (or -1) for causal sliding-window attention"
         )
-    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}")
     if (
         isinstance(softcap, bool)

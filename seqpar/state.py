@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import numbers
 import os
 import threading
 import weakref
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Workspace, group_rank, group_size, group_timeout
+from .placement.sizes import is_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,7 +55,7 @@ def state_from_handle(handle: str) -> ParallelState:
 
 
 def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"ParallelState: {name} must be a positive int, got {value!r}")
     return int(value)
 

@@ -60,13 +60,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import numbers
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .sizes import is_int
 
 __all__ = ["Mask", "MaskSlices"]
 
@@ -171,7 +172,7 @@ def _as_range(r: object, what: str, s: int) -> tuple[int, int]:
             if x.numel() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
                 raise ValueError(f"MaskSlices: {what}[{s}] must hold ints, got {r!r}")
             x = int(x)
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        if not is_int(x):
             raise ValueError(f"MaskSlices: {what}[{s}] must hold ints, got {r!r}")
         vals.append(int(x))
     a, b = vals
@@ -248,7 +249,7 @@ class MaskSlices:
         if not sizes:
             raise ValueError("MaskSlices.block_causal: block_sizes is empty")
         for b, n in enumerate(sizes):
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            if not is_int(n) or n < 1:
                 raise ValueError(f"MaskSlices.block_causal: block_sizes[{b}] = {n!r} must be a positive int")
         q, start = [], 0
         for n in sizes:
@@ -265,7 +266,7 @@ class MaskSlices:
             ValueError: ``seq_len < 1`` or ``prefix_len`` outside ``[0, seq_len]``.
         """
         for name, x in (("seq_len", seq_len), ("prefix_len", prefix_len)):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            if not is_int(x):
                 raise ValueError(f"MaskSlices.prefix_lm: {name} must be an int, got {x!r}")
         S, P = int(seq_len), int(prefix_len)
         if S < 1 or not 0 <= P <= S:

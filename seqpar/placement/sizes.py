@@ -7,7 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["split_sizes", "offsets", "as_int", "check_seq_lens"]
+__all__ = ["split_sizes", "offsets", "is_int", "as_int", "check_seq_lens"]
+
+
+def is_int(x: object) -> bool:
+    """An integer that is not a bool: a Python int, or a numpy or other ``numbers.Integral`` scalar."""
+    return type(x) is int or (not isinstance(x, bool) and isinstance(x, numbers.Integral))
 
 
 def as_int(value: object, name: str, where: str, *, minimum: int = 0) -> int:
@@ -16,11 +21,9 @@ def as_int(value: object, name: str, where: str, *, minimum: int = 0) -> int:
     Raises:
         ValueError: a bool, a non-integer, or a value below ``minimum``, naming ``name``.
     """
-    if type(value) is int and value >= minimum:  # the common case, without the checks below
-        return value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if not is_int(value) or value < minimum:
         kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{where}: {name} must be {kind}, got {value!r}")
     return int(value)
@@ -63,7 +66,7 @@ def check_seq_lens(seq_lens: Sequence[int] | torch.Tensor, where: str = "seq_len
         raise ValueError(f"{where}: seq_lens must be a sequence of ints, got {type(seq_lens).__name__}")
     out = []
     for i, n in enumerate(seq_lens):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"{where}: seq_lens[{i}] = {n!r}: every sequence length must be a non-negative int")
         out.append(int(n))
     return tuple(out)
