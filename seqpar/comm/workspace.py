@@ -34,7 +34,7 @@ on one process; threads running attention concurrently need their own states).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -61,10 +61,14 @@ class Workspace:
         self._slices: dict[tuple[str, torch.device], tuple[int, int]] = {}  # role -> (start, bytes)
         self._depth = 0
 
-    @contextmanager
-    def scope(self) -> Iterator[Workspace]:
+    def scope(self) -> AbstractContextManager:
         """One call's forward or backward: arena slices handed out inside are released at its end
-        (the outermost scope's), and the arena grows to what the scope asked for if it was short."""
+        (the outermost scope's), and the arena grows to what the scope asked for if it was short.
+        Without ``keep`` a scope changes nothing (every buffer is fresh), so it is a no-op context."""
+        return self._scope() if self.keep else nullcontext(self)
+
+    @contextmanager
+    def _scope(self) -> Iterator[Workspace]:
         self._depth += 1
         try:
             yield self

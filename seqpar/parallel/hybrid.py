@@ -188,10 +188,9 @@ _NO_SCOPE = contextlib.nullcontext()
 
 
 def _scope(setup: HybridSetup):
-    """The workspace scope of one forward or backward: a no-op without a workspace or with one
-    that keeps nothing (every buffer is fresh inside a scope and out, Note [Workspace])."""
+    """The workspace scope of one forward or backward (a no-op without a workspace)."""
     workspace = setup.ring.workspace
-    return workspace.scope() if workspace is not None and workspace.keep else _NO_SCOPE
+    return workspace.scope() if workspace is not None else _NO_SCOPE
 
 
 def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, ...]:
