@@ -370,3 +370,54 @@ def _released_input_cases():
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_releases_its_inputs_before_the_output(pools, world):
     assert all(pools(world).run(_released_input_cases))
+
+
+def _staging_release_cases():
+    """A fresh staging buffer is freed once the collective has completed, even while someone else
+    (gloo's worker thread, here a spy) still holds the tensor; a kept arena's slice is not."""
+    import importlib
+
+    from seqpar.comm import Workspace
+
+    a2a = importlib.import_module("seqpar.comm.all_to_all")
+    n = dist.get_world_size()
+    held = []
+    collective = a2a.dist.all_to_all_single
+
+    def spy(out, inp, *args, **kwargs):
+        held.append(inp)  # as gloo's work object does until its thread lets go
+        return collective(out, inp, *args, **kwargs)
+
+    x = torch.randn(1, 3 * n + 1, 2 * n + 1, 8)
+    want = all_to_all(x, None, 2, 1)
+    kept = Workspace(keep=True)
+    a2a.dist.all_to_all_single = spy
+    try:
+        fresh_out = all_to_all(x, None, 2, 1)
+        for _ in range(2):  # the first scope sizes the arena, the second stages in it
+            with kept.scope():
+                kept_out = all_to_all(x, None, 2, 1, workspace=kept)
+    finally:
+        a2a.dist.all_to_all_single = collective
+    assert torch.equal(fresh_out, want) and torch.equal(kept_out, want)
+    assert held[0].untyped_storage().nbytes() == 0  # fresh: freed at once
+    assert kept.holds(held[2]) and held[2].untyped_storage().nbytes() == kept.nbytes  # arena: untouched
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_frees_fresh_staging_after_the_collective(pools, world):
+    assert all(pools(world).run(_staging_release_cases))
+
+
+def test_storage_tracker_counts_storage_resized_in_place():
+    """A storage resized to nothing (a buffer released early) stops counting at once."""
+    from seqpar.tools.profiling import StorageTracker
+
+    with StorageTracker() as mem:
+        a = torch.empty(1000)
+        keep = a  # a second reference: the storage itself stays alive
+        a.untyped_storage().resize_(0)
+        b = torch.empty(10)
+    assert mem.peak == 4000 and mem.current == 40
+    del keep, b

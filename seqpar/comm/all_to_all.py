@@ -106,6 +106,13 @@ def _exchange(
             return workspace.get(role, (numel,), dtype, device)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def collective(out: torch.Tensor) -> None:
+        dist.all_to_all_single(out, staging, recv_numel, send_numel, group=group)
+        if device.type == "cpu" and (workspace is None or not workspace.holds(staging)):
+            # gloo's worker thread drops its reference to the staging buffer only after the call
+            # has returned, racing this rank's next allocation (Note [Staging release]).
+            staging.untyped_storage().resize_(0)
+
     # With one rank the staging block is the output: it is staged where the output must live.
     staging = buffer(out_role if n == 1 else "all_to_all.staging", sum(send_numel))
     block_off = offsets(send_numel)
@@ -134,13 +141,26 @@ def _exchange(
         return staging.view(out_shape).movedim(0, gather_dim)
     if workspace is not None and out_role is not None:
         recv = workspace.get(out_role, (sum(recv_numel),), dtype, device)
-        dist.all_to_all_single(recv, staging, recv_numel, send_numel, group=group)
+        collective(recv)
         return recv.view(out_shape).movedim(0, gather_dim)
     # A fresh output is allocated in its final dim order, so that it is a tensor of its own (not
     # a view): callers may then modify it in place.
     out = _empty_moved(out_shape, gather_dim, staging)
-    dist.all_to_all_single(out.as_strided((out.numel(),), (1,)), staging, recv_numel, send_numel, group=group)
+    collective(out.as_strided((out.numel(),), (1,)))
     return out
+
+
+# Note [Staging release]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# gloo runs a collective on a worker thread, and its work object holds the input tensor until that
+# thread has finished its bookkeeping, which may be after ``all_to_all_single`` has returned here.
+# The staging buffer dropped at this function's return then stays allocated, at random, while the
+# caller allocates what comes next: measured on 2 gloo ranks (U = 2, S = 8192, H = 8, D = 64,
+# fp32), 2 of 24 calls peaked one fused staging buffer higher (80.1 MiB instead of 72.2, the
+# gradients' exchange). Once the collective has completed nothing reads the staging copy, so a
+# fresh one has its storage freed at once (``resize_(0)``), whoever still holds the tensor. Only
+# on the CPU: a CUDA collective's buffers are stream-ordered by the caching allocator, and a
+# kept arena's slice is never freed.
 
 
 # Note [Staging runs]

@@ -103,6 +103,11 @@ class Workspace:
             return torch.empty(shape, dtype=dtype, device=device)  # the arena grows when the scope ends
         return arena[start:start + nbytes].view(dtype).view(shape)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a slice of a kept arena (not a fresh buffer that dies with its users)."""
+        arena = self._arenas.get(t.device)
+        return arena is not None and t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+
     @property
     def nbytes(self) -> int:
         """Bytes kept between calls (0 with ``keep=False``)."""

@@ -213,8 +213,13 @@ class StorageTracker(TorchDispatchMode):
         self.peak = 0
 
     def _sweep(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
+        for key, (ref, nbytes) in list(self.live.items()):
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:  # freed
+                self.current -= self.live.pop(key)[1]
+            elif storage.nbytes() != nbytes:  # resized in place (a buffer released early, say)
+                self.current += storage.nbytes() - nbytes
+                self.live[key] = (ref, storage.nbytes())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
