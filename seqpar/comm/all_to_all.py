@@ -81,8 +81,11 @@ def _exchange(
     n, me = group_size(group), group_rank(group)
     x0 = xs[0]
     dtype, device = x0.dtype, x0.device
-    sd_m = _moved_dim(scatter_dim, gather_dim)
-    base = _moved_shape(x0.shape, gather_dim)  # [g, ...]: dim 0 and the scatter entry vary
+    # Blocks are staged gather-dim first, except over the last dim (Note [Gather over the last dim]).
+    natural = gather_dim == x0.ndim - 1
+    gd_m = gather_dim if natural else 0  # the gather dim's place in a block
+    sd_m = scatter_dim if natural else _moved_dim(scatter_dim, gather_dim)
+    base = list(x0.shape) if natural else _moved_shape(x0.shape, gather_dim)
     if stack == "scatter":
         lens = [sum(r[j][1] for r in ranges) for j in range(n)]  # scatter length per rank
         local_rows = x0.shape[gather_dim]
@@ -92,7 +95,7 @@ def _exchange(
 
     def block_shape(g: int, length: int) -> list[int]:
         shape = list(base)
-        shape[0], shape[sd_m] = g, length
+        shape[gd_m], shape[sd_m] = g, length
         return shape
 
     send_shapes = [block_shape(local_rows, lens[j]) for j in range(n)]
@@ -106,15 +109,57 @@ def _exchange(
             return workspace.get(role, (numel,), dtype, device)
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def release(t: torch.Tensor) -> None:
+        """Free a fresh transfer buffer whose transfer has completed (Note [Staging release])."""
+        if device.type == "cpu" and (workspace is None or not workspace.holds(t)):
+            t.untyped_storage().resize_(0)
+
     def collective(out: torch.Tensor) -> None:
         dist.all_to_all_single(out, staging, recv_numel, send_numel, group=group)
-        if device.type == "cpu" and (workspace is None or not workspace.holds(staging)):
-            # gloo's worker thread drops its reference to the staging buffer only after the call
-            # has returned, racing this rank's next allocation (Note [Staging release]).
-            staging.untyped_storage().resize_(0)
+        if owned:
+            release(staging)
 
-    # With one rank the staging block is the output: it is staged where the output must live.
-    staging = buffer(out_role if n == 1 else "all_to_all.staging", sum(send_numel))
+    owned = True  # the staging buffer is this call's (not a view of the input)
+    if natural and n > 1 and _sends_itself(xs, stack, scatter_dim, ranges):
+        staging, owned = xs[0].reshape(-1), False  # the blocks already lie in send order
+    else:
+        # With one rank the staging block is the output: it is staged where the output must live.
+        staging = buffer(out_role if n == 1 else "all_to_all.staging", sum(send_numel))
+        _stage(xs, staging, stack, scatter_dim, gather_dim, natural, sd_m, gd_m, ranges, send_shapes, send_numel)
+    if release_inputs:
+        x0 = None  # this function's last reference
+        xs.clear()
+    if n == 1:
+        return staging.view(out_shape) if natural else staging.view(out_shape).movedim(0, gather_dim)
+    if natural:
+        recv = buffer("all_to_all.recv", sum(recv_numel))
+        collective(recv)
+        staging = None
+        if workspace is not None and out_role is not None:
+            out = workspace.get(out_role, tuple(out_shape), dtype, device)
+        else:
+            out = torch.empty(out_shape, dtype=dtype, device=device)
+        _unstage(recv, out, gather_dim, gather_sizes, recv_shapes, recv_numel)
+        release(recv)
+        return out
+    if workspace is not None and out_role is not None:
+        recv = workspace.get(out_role, (sum(recv_numel),), dtype, device)
+        collective(recv)
+        return recv.view(out_shape).movedim(0, gather_dim)
+    # A fresh output is allocated in its final dim order, so that it is a tensor of its own (not
+    # a view): callers may then modify it in place.
+    out = _empty_moved(out_shape, gather_dim, staging)
+    collective(out.as_strided((out.numel(),), (1,)))
+    return out
+
+
+def _stage(
+    xs: Sequence[torch.Tensor], staging: torch.Tensor, stack: str, scatter_dim: int, gather_dim: int, natural: bool,
+    sd_m: int, gd_m: int, ranges: Sequence[Ranges], send_shapes: list[list[int]], send_numel: list[int],
+) -> None:
+    """Copy every tensor's pieces into their destinations' blocks of ``staging`` (block layout:
+    :func:`_exchange`'s ``natural`` order or gather dim first)."""
+    n = len(send_numel)
     block_off = offsets(send_numel)
     subs = [0] * n  # per destination: where the next tensor's piece starts in its block
     for t, x in enumerate(xs):
@@ -125,29 +170,54 @@ def _exchange(
             start, length = r[j0]
             if length == 0:
                 continue
-            src = x.narrow(scatter_dim, start, m * length).movedim(gather_dim, 0)
+            src = x.narrow(scatter_dim, start, m * length)
+            src = src if natural else src.movedim(gather_dim, 0)
             src = src.unflatten(sd_m, (m, length)).movedim(sd_m, 0)  # [m, *block with length]
             blocks = staging[block_off[j0] : block_off[j0 + m]].view(m, *send_shapes[j0])
             if stack == "scatter":
                 _copy(blocks.narrow(sd_m + 1, subs[j0], length), src)
             else:
-                _copy(blocks.narrow(1, subs[j0], src.shape[1]), src)
+                _copy(blocks.narrow(gd_m + 1, subs[j0], src.shape[gd_m + 1]), src)
         step = [length for _, length in r] if stack == "scatter" else [x.shape[gather_dim]] * n
         subs = [a + b for a, b in zip(subs, step)]
-    if release_inputs:
-        x0 = src = x = None  # this function's last references (src: a view of the last input)
-        xs.clear()
-    if n == 1:
-        return staging.view(out_shape).movedim(0, gather_dim)
-    if workspace is not None and out_role is not None:
-        recv = workspace.get(out_role, (sum(recv_numel),), dtype, device)
-        collective(recv)
-        return recv.view(out_shape).movedim(0, gather_dim)
-    # A fresh output is allocated in its final dim order, so that it is a tensor of its own (not
-    # a view): callers may then modify it in place.
-    out = _empty_moved(out_shape, gather_dim, staging)
-    collective(out.as_strided((out.numel(),), (1,)))
-    return out
+
+
+def _sends_itself(xs: Sequence[torch.Tensor], stack: str, scatter_dim: int, ranges: Sequence[Ranges]) -> bool:
+    """Whether one contiguous tensor already holds its natural-order blocks one after the other:
+    its pieces partition the scatter dim in rank order and no dim before it has more than one
+    element."""
+    x = xs[0]
+    return (len(xs) == 1 and stack == "scatter" and x.is_contiguous() and _is_partition(ranges[0], x.shape[scatter_dim])
+            and all(s == 1 for s in x.shape[:scatter_dim]))
+
+
+def _unstage(recv: torch.Tensor, out: torch.Tensor, gather_dim: int, gather_sizes: Sequence[int],
+             recv_shapes: list[list[int]], recv_numel: list[int]) -> None:
+    """Copy the received natural-order blocks into ``out`` along ``gather_dim`` (its last dim),
+    one strided copy per run of sources with one gather length."""
+    off, goff = offsets(recv_numel), offsets(gather_sizes)
+    i0 = 0
+    while i0 < len(gather_sizes):
+        i1 = i0 + 1
+        while i1 < len(gather_sizes) and gather_sizes[i1] == gather_sizes[i0]:
+            i1 += 1
+        m, g = i1 - i0, gather_sizes[i0]
+        if g and recv_numel[i0]:
+            src = recv[off[i0]:off[i1]].view(m, *recv_shapes[i0]).movedim(0, gather_dim)  # [..., m, g]
+            _copy(out.narrow(gather_dim, goff[i0], m * g).unflatten(gather_dim, (m, g)), src)
+        i0 = i1
+
+
+# Note [Gather over the last dim]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Staging gather-dim first makes the received buffer the output (Note [All-to-all layout]), at
+# the price of a transposing staging copy when the gather dim is the innermost one: every element
+# of the contiguous last dim then lands in another row, and the output keeps that layout, so the
+# next copy of it (autograd's, a matmul's) transposes again. Over the last dim the blocks are
+# therefore staged in the input's own dim order -- with one contiguous input whose pieces are
+# already consecutive (every dim before the scatter dim of size 1) not copied at all -- and the
+# received blocks are copied into a fresh, contiguous output, runs of whole gather pieces. Bytes
+# held: the received buffer and the output (2x), as before.
 
 
 # Note [Staging release]
