@@ -11,10 +11,12 @@ We run one ``all_to_all_single`` over a flat staging buffer. Each piece is writt
 staging buffer *gather-dim first*: the piece ``x.narrow(scatter_dim, ...)`` is copied as
 ``piece.movedim(gather_dim, 0)``. The received flat buffer is then the concatenation, over source
 ranks, of ``[g_i, ...]`` blocks, i.e. one contiguous ``[G, ...]`` tensor, and the result is the view
-``buffer.movedim(0, gather_dim)`` -- no copy after the collective, for any ndim and any dim pair.
-Bytes allocated: the staging copy plus the output, 2x the input. The price is that the result is a
-strided tensor (contiguous only when every dim before ``gather_dim`` has size 1, e.g. the Ulysses
-``[1, S/N, H, D] -> [1, S, H/N, D]`` direction); call ``.contiguous()`` if a later op needs it.
+``buffer.movedim(0, gather_dim)`` -- no copy after the collective, for any ndim and any dim pair
+but one. Bytes allocated: the staging copy plus the output, 2x the input. The price is that the
+result is a strided tensor (contiguous only when every dim before ``gather_dim`` has size 1, e.g.
+the Ulysses ``[1, S/N, H, D] -> [1, S, H/N, D]`` direction); call ``.contiguous()`` if a later op
+needs it. The exception is a gather over the last dim, whose blocks travel in the input's own
+order into a contiguous output (Note [Gather over the last dim]).
 
 The backward of an all-to-all is the all-to-all with the two dims swapped. For the fused form the
 output gradients are staged directly (stacked along the forward's scatter dim, which the reverse
@@ -514,7 +516,7 @@ def all_to_all(
         ``gather_dim -> sum of all ranks' gather lengths``. Memory: one staging copy of ``x`` and
         the output (2x the input's bytes) in every direction and batch size; the result is a
         strided tensor of its own, contiguous when all dims before ``gather_dim`` have size 1
-        (see Note [All-to-all layout]).
+        or ``gather_dim`` is the last dim (see Note [All-to-all layout]).
 
     Raises:
         ValueError: equal or out-of-range dims, a non-ProcessGroup group, a ``gather_size``
