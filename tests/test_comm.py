@@ -431,7 +431,8 @@ def _last_dim_cases():
     from seqpar.tools.profiling import StorageTracker
 
     n, r = dist.get_world_size(), dist.get_rank()
-    for lead, S, F in [((1,), 2 * n + 1, 3 * n), ((2,), n + 2, 2 * n - 1), ((1, 1), 3 * n, n + 1), ((1, 2), n, 5)]:
+    for lead, S, F in [((1,), 2 * n + 1, 3 * n), ((2,), n + 2, 2 * n - 1), ((1, 1), 3 * n, n + 1), ((1, 2), n, 5),
+                       ((1,), max(n - 1, 1), n + 2)]:  # the last: ranks with no piece
         full = _global((*lead, S, F), torch.float32, S + F)
         w = _global((*lead, S, F), torch.float32, S + F + 1)
         sd, gd = len(lead), len(lead) + 1
