@@ -287,3 +287,28 @@ def test_keep_head_shards_holds_no_more_than_autograd_through_the_exchanges(pool
     shard = S // 4 * H * D * 4
     for rank, peaks in enumerate(pools(4).run(_rank_peaks, S, H, Hkv, D)):
         assert peaks["keep"] <= peaks["autograd"] + shard // 2, (rank, peaks, shard)
+
+
+def _rank_gradient_layout() -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """The gradients going back to the token shards keep each head's head_dim values contiguous
+    (Note [Gather over heads]), in both modes and with ``Dv != D``: a transfer over a flattened
+    ``(heads, head_dim)`` axis had returned them with the head_dim index outermost."""
+    found = []
+    for keep in (False, True):
+        state = ParallelState(1, dist.get_world_size(), keep_head_shards=keep)
+        g = torch.Generator().manual_seed(0)
+        S = 4 * state.cp_size + 1
+        full = [torch.randn(1, S, h, d, generator=g) for h, d in ((6, 8), (2, 8), (2, 4))]
+        q, k, v = (seqpar.shard(t, state).requires_grad_() for t in full)
+        out = seqpar.attention(q, k, v, state, causal=True, seq_len=S)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        found += [(f"keep={keep} d{name}", tuple(t.shape), t.stride()) for name, t in zip("qkv", grads)]
+        state.close()
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_keep_head_dim_contiguous(pools, world):
+    for rank, found in enumerate(pools(world).run(_rank_gradient_layout)):
+        for name, shape, stride in found:
+            assert stride[-1] == 1 and stride[-2] >= shape[-1], (rank, name, shape, stride)
