@@ -84,6 +84,8 @@ def _exchange(
     x0 = xs[0]
     dtype, device = x0.dtype, x0.device
     # Blocks are staged gather-dim first, except over the last dim (Note [Gather over the last dim]).
+    # Every rank must choose the same block layout, so the choice depends on shapes only, never on
+    # a rank's own strides (whether a rank sends its input without a copy may differ: same layout).
     natural = gather_dim == x0.ndim - 1
     gd_m = gather_dim if natural else 0  # the gather dim's place in a block
     sd_m = scatter_dim if natural else _moved_dim(scatter_dim, gather_dim)
