@@ -63,8 +63,9 @@ def _exchange(
     out_role: str | None = None,
     release_inputs: bool = False,
 ) -> torch.Tensor:
-    """No-grad core. Returns the combined output in the input's dim order (strided; a view only
-    of a workspace buffer or, with one rank, of the staging copy).
+    """No-grad core. Returns the combined output in the input's dim order (strided, except over
+    the last dim, where it is contiguous: Note [Gather over the last dim]; a view only of a
+    workspace buffer or, with one rank, of the staging copy).
 
     Several tensors travel in one collective, stacked in every rank's block along ``stack``:
 
@@ -75,8 +76,9 @@ def _exchange(
       gather dim, and ``gather_sizes[i]`` is the total of source ``i``'s rows.
 
     The output's gather dim has ``sum(gather_sizes)`` elements, source-major. With a
-    ``workspace`` the staging copy is a workspace buffer (Note [Workspace]); with ``out_role``
-    too, so is the output (for outputs the caller consumes before the call returns). With
+    ``workspace`` the staging copy (and over the last dim the receive buffer) is a workspace
+    buffer (Note [Workspace]); with ``out_role`` too, so is the output (for outputs the caller
+    consumes before the call returns). With
     ``release_inputs`` (``xs`` a list) the list is emptied once staged, so inputs whose last
     reference it held are freed before the output is allocated.
     """
