@@ -338,3 +338,76 @@ def test_double_backward_is_refused():
             torch.autograd.grad(out.sum(), q, create_graph=True)
         (g,) = torch.autograd.grad(out.sum(), q)  # the plain backward still works
         assert math.isfinite(g.sum().item())
+
+
+def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
+    """One causal ring call with spies on the backward (Note [Gradients sent as computed]): what
+    ``_remote_grads`` returns for sending, which kernel results and workspace roles it made."""
+    import seqpar.parallel.ring as ring_mod
+
+    kernel_results, sent, roles = [], [], []
+    call_backward, remote_grads, buffer = ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer
+
+    def spy_call(*args, **kwargs):
+        result = call_backward(*args, **kwargs)
+        kernel_results.append(result[3:])  # kept alive, so identities stay unique
+        return result
+
+    def spy_remote(*args, **kwargs):
+        out = remote_grads(*args, **kwargs)
+        sent.append(out)
+        return out
+
+    def spy_buffer(run, role, *args):
+        roles.append(role)
+        return buffer(run, role, *args)
+
+    ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer = spy_call, spy_remote, spy_buffer
+    try:
+        state = ParallelState(ring_size=torch.distributed.get_world_size())
+        q, k, v, dout = _full_inputs(seq_len, 1, 4, 2, 8, seed=11)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if packed:
+            lens = [seq_len // 3, seq_len - seq_len // 3]
+            ref = torch.cat([reference_attention(*(t[:, a:a + n] for t in leaves), causal=True)
+                             for a, n in zip((0, lens[0]), lens)], 1)
+            local = [seqpar.shard_packed(t[0], state, lens).requires_grad_() for t in (q, k, v)]
+            out = seqpar.varlen_attention(*local, state, lens, causal=True, backend="cpu")
+            out.backward(seqpar.shard_packed(dout[0], state, lens))
+            want = [seqpar.shard_packed(t[0], state, lens) for t in (ref,)]
+        else:
+            ref = reference_attention(*leaves, causal=True)
+            local = [seqpar.shard(t, state).requires_grad_() for t in (q, k, v)]
+            out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=seq_len)
+            out.backward(seqpar.shard(dout, state))
+            want = [seqpar.shard(ref, state)]
+        ref.backward(dout)
+        shard = (lambda t: seqpar.shard_packed(t[0], state, lens)) if packed else (lambda t: seqpar.shard(t, state))
+        want += [shard(t.grad) for t in leaves]
+        err = max((a.detach() - b).abs().max().item() for a, b in zip([out, *(t.grad for t in local)], want))
+    finally:
+        ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer = call_backward, remote_grads, buffer
+    results = {id(t) for pair in kernel_results for t in pair}
+    return {
+        "err": err,
+        "sends": len(sent),
+        "sent_kernel_results": sum(id(gk) in results and id(gv) in results for gk, gv in sent),
+        "sent_contiguous": all(gk.is_contiguous() and gv.is_contiguous() for gk, gv in sent),
+        "roles": sorted(set(roles)),
+    }
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_gradients_sent_without_a_staging_copy(pools, packed):
+    # Dense causal zig-zag: every remote step is one kernel call over all of the step's key rows,
+    # so its dK/dV results travel as they are. Packed float64: the sum over segments is already in
+    # the input dtype and is sent itself. Neither needs a send slot to copy into.
+    for rank, r in enumerate(pools(3).run(_sent_gradients_case, 41, packed)):
+        assert r["err"] < 1e-10, (rank, r)
+        assert r["sends"] == 2, (rank, r)  # ring of 3: two remote steps
+        assert r["sent_contiguous"], (rank, r)
+        if packed:
+            assert not any(role.startswith("ring.sum_grad") for role in r["roles"]), (rank, r)
+        else:
+            assert r["sent_kernel_results"] == r["sends"], (rank, r)
+            assert not any(role.startswith("ring.send_grad") for role in r["roles"]), (rank, r)

@@ -49,7 +49,7 @@ from .ring import (
     _local_grads,
     _Output,
     _record,
-    _remote_grads,
+    _remote_grads_into,
     extra_block,
     ring_backward,
     ring_forward,
@@ -216,12 +216,12 @@ def allgather_backward(
         ranges = g.steps[i]
         if len(ranges) == 1:  # straight into the slot
             a, b = ranges[0]
-            _remote_grads(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk_all[step.src][:, a:b],
-                          gv_all[step.src][:, a:b], cache)
+            _remote_grads_into(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk_all[step.src][:, a:b],
+                               gv_all[step.src][:, a:b], cache)
             continue
         gk = _buffer(ring, "allgather.step_grad_k", tuple(k_i.shape), k, k.dtype)
         gv = _buffer(ring, "allgather.step_grad_v", tuple(v_i.shape), v, v.dtype)
-        _remote_grads(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk, gv, cache)
+        _remote_grads_into(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk, gv, cache)
         off = 0
         for a, b in ranges:
             gk_all[step.src][:, a:b].copy_(gk[:, off:off + b - a])

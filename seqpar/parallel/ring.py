@@ -31,12 +31,25 @@ by every query row at step 0 and never travel.
 
 Memory (buffers from the workspace, Note [Workspace]: fresh per call by default, freed once
 dead): the K/V of two steps (the one computed, the one arriving), one staging copy of the rows
-sent when they are not one contiguous view, two send slots and one receive slot for gradients
-(with H == Hkv about 10 shards of K/V next to the output and the three gradients at the
-backward's peak: the price of overlapping every transfer); accumulators start as the first kernel result
-that covers every row (no zero fill), kernel results are dropped as soon as they are added, and
-large unmasked blocks run their backward in two halves of the keys (smaller kernel results).
-Only q, k, v, out and the LSE of the shard are saved for backward.
+sent when they are not one contiguous view, the dK/dV of two steps (the one computed, the one
+in flight) and one receive slot for gradients (with H == Hkv about 9 shards of K/V next to the
+output and the three gradients at the backward's peak: the price of overlapping every transfer);
+accumulators start as the first kernel result that covers every row (no zero fill), kernel
+results are dropped as soon as they are added, and large unmasked blocks that are not a whole
+step run their backward in two halves of the keys (smaller kernel results). Only q, k, v, out
+and the LSE of the shard are saved for backward.
+
+Note [Gradients sent as computed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The dK/dV of a remote step travel back in the input dtype, one buffer per step. When the step
+is one kernel call over all of its key rows (every remote step of dense causal or full attention
+on the zig-zag placement), the kernel's own dK/dV results are that buffer: they are sent as they
+are, with no send slot and no copy, and die when the transfer completes. Otherwise the results
+are written into a send slot (two, alternating, as the previous step's may still be in flight);
+sums over several calls (segments, shared key rows) are made in the slot itself when it is in
+the accumulator dtype. Measured at S = 4096, H = 8, D = 64, fp32, causal, 4 ranks
+(``scripts/bench_memory.py``, docs/performance.md): the ring's peak per rank fell 3-11% (H = Hkv
+dense 29.0 -> 27.0 MiB, packed 37.8 -> 33.8 MiB).
 """
 
 from __future__ import annotations
@@ -267,12 +280,32 @@ def _extra_grads(run: RingSetup, dout, q, extra_k, extra_v, out, lse, dq: _Accum
     return dextra
 
 
-def _remote_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, gk: Tensor, gv: Tensor,
-                  cache: dict) -> None:
+def _remote_grads(run: RingSetup, slot: int, like: tuple[Tensor, Tensor], kv_len: int, calls, dout, q, k, v,
+                  out, lse, dq: _Accumulator, cache: dict) -> tuple[Tensor, Tensor]:
+    """dQ of the calls on a remote rank's K/V rows (``k``, ``v``: that step's compact buffers,
+    ``kv_len`` rows, None when the step reads none) into ``dq``; returns their dK/dV in the dtype
+    of ``like`` (this rank's own k, v), to be sent back (Note [Gradients sent as computed]).
+    ``slot``: the step's send slot (0 or 1), alternated for the buffers a kept workspace would
+    reuse while the previous step's are in flight."""
+    k_own, v_own = like
+    if len(calls) == 1 and _covers_keys(calls[0], kv_len):
+        # One kernel call whose results are every row: they travel as they are.
+        rows, _, g_q, g_k, g_v = _call_backward(run, calls[0], dout, q, k, v, out, lse, cache)
+        dq.add(rows, g_q)
+        return g_k, g_v
+    gk = _buffer(run, f"ring.send_grad_k.{slot}", (k_own.shape[0], kv_len, *k_own.shape[2:]), k_own, k_own.dtype)
+    gv = _buffer(run, f"ring.send_grad_v.{slot}", (v_own.shape[0], kv_len, *v_own.shape[2:]), v_own, v_own.dtype)
+    _remote_grads_into(run, calls, dout, q, k, v, out, lse, dq, gk, gv, cache)
+    return gk, gv
+
+
+def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, gk: Tensor, gv: Tensor,
+                       cache: dict) -> None:
     """dQ of the calls on a remote rank's K/V rows into ``dq``; their dK/dV into ``gk`` / ``gv``
     (``[B, rows, ...]`` in the input dtype; every row is written, as every row of a step's compact
     buffer is read by some call): directly when the calls read disjoint key rows, else summed in the
-    accumulator dtype first (segments, shared key rows)."""
+    accumulator dtype first (segments, shared key rows; in ``gk`` / ``gv`` themselves when they
+    are in that dtype)."""
     calls = split_wide_blocks(calls)
     if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
         for call in calls:
@@ -283,8 +316,11 @@ def _remote_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulat
             del g_q, g_k, g_v
         return
     acc = accumulator_dtype(q.dtype)
-    sum_k = _buffer(run, "ring.sum_grad_k", tuple(gk.shape), gk, acc).zero_()
-    sum_v = _buffer(run, "ring.sum_grad_v", tuple(gv.shape), gv, acc).zero_()
+    if gk.dtype == gv.dtype == acc:
+        sum_k, sum_v = gk.zero_(), gv.zero_()
+    else:
+        sum_k = _buffer(run, "ring.sum_grad_k", tuple(gk.shape), gk, acc).zero_()
+        sum_v = _buffer(run, "ring.sum_grad_v", tuple(gv.shape), gv, acc).zero_()
     for call in calls:
         if isinstance(call, SegmentCall):
             _call_backward_into(run, call, dout, q, k, v, out, lse, (dq.result(), sum_k, sum_v), cache)
@@ -294,8 +330,14 @@ def _remote_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulat
         sum_k[:, cols] += g_k
         sum_v[:, cols] += g_v
         del g_q, g_k, g_v
-    gk.copy_(sum_k)
-    gv.copy_(sum_v)
+    if sum_k is not gk:
+        gk.copy_(sum_k)
+        gv.copy_(sum_v)
+
+
+def _covers_keys(call, kv_len: int) -> bool:
+    """Whether ``call`` is one block over all ``kv_len`` key rows (its dK/dV are the whole step's)."""
+    return isinstance(call, BlockCall) and (call.k0, call.k1) == (0, kv_len)
 
 
 def _post_kv(run: RingSetup, step, k: Tensor, v: Tensor, slot: int):
@@ -417,13 +459,11 @@ def ring_backward(
             _local_grads(run, step.calls, dout, q, k_cur, v_cur, out, lse, dq, dk, dv, cache)
             dextra = _extra_grads(run, dout, q, extra_k, extra_v, out, lse, dq, cache)
         else:
-            # The gradients of src's rows go back to src in q's dtype, written into one of two
-            # alternating send slots (the other may still be in flight).
-            shape_k = (k.shape[0], step.kv_len, *k.shape[2:])
-            shape_v = (v.shape[0], step.kv_len, *v.shape[2:])
-            send_k = _buffer(run, f"ring.send_grad_k.{i % 2}", shape_k, k, k.dtype)
-            send_v = _buffer(run, f"ring.send_grad_v.{i % 2}", shape_v, v, v.dtype)
-            _remote_grads(run, step.calls, dout, q, k_cur, v_cur, out, lse, dq, send_k, send_v, cache)
+            # The gradients of src's rows go back to src in q's dtype (the previous step's may
+            # still be in flight).
+            send_k, send_v = _remote_grads(
+                run, i % 2, (k, v), step.kv_len, step.calls, dout, q, k_cur, v_cur, out, lse, dq, cache
+            )
             # The previous step's gradients have arrived by now (their transfer overlapped this
             # step's compute): add them home, which frees the receive slot.
             if grads_in is not None:
