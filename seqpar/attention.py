@@ -30,6 +30,7 @@ from .placement.masks import MaskSlices
 from .comm import refuse_double_backward
 from .parallel.hybrid import (
     dout_to_heads,
+    hands_over,
     head_grads_to_tokens,
     head_shards_backward,
     head_shards_forward,
@@ -49,6 +50,7 @@ from .prepare import (
     refuse_collectively,
     to_bshd,
 )
+from .saved import HandOver
 from .state import ParallelState, require_state
 
 # collective_checks and refuse_collectively live in seqpar.prepare; importable from here as before.
@@ -65,19 +67,27 @@ class _Attention(torch.autograd.Function):
     with replicated rows here) the Ulysses head shards too."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall,
+                hand_over: HandOver | None) -> Tensor:
         out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, q, k, v, sinks)
         ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated, *heads)
         ctx.setup = call.setup  # not the call: it holds q, k, v (Note [Head shards as a node])
+        ctx.hand_over = hand_over
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
         q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
-        grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads))
-        # No gradient for call.
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)
+        if ctx.hand_over is not None and ctx.hand_over.take():  # Note [Saved tensors handed over]
+            tokens, shapes = [q, k, v, out], (q.shape, k.shape, v.shape)
+            del q, k, v, out
+            grads = hybrid_backward(ctx.setup, dout, None, None, None, sinks, None, lse_body, lse_replicated, (),
+                                    shapes, tokens)
+        else:
+            grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads))
+        # No gradient for call and hand_over.
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
 
 
 class _ToHeadShards(torch.autograd.Function):
@@ -131,7 +141,10 @@ def _apply(call: PreparedCall, sinks: Tensor | None) -> Tensor:
     if splits_at_heads(call.setup):
         q_u, k_u, v_u = _ToHeadShards.apply(call.qb, call.kb, call.vb, call)
         return _ToTokenShard.apply(_HeadShardsAttention.apply(q_u, k_u, v_u, sinks, call), call)
-    return _Attention.apply(call.qb, call.kb, call.vb, sinks, call)
+    if not hands_over(call.setup):
+        return _Attention.apply(call.qb, call.kb, call.vb, sinks, call, None)
+    with HandOver() as hand_over:  # Note [Saved tensors handed over]
+        return _Attention.apply(call.qb, call.kb, call.vb, sinks, call, hand_over)
 
 
 def attention(

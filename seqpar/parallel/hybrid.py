@@ -42,6 +42,7 @@ from .ulysses import UlyssesSetup, heads_backward, heads_forward, ulysses_ring_b
 __all__ = [
     "HybridSetup", "hybrid_forward", "hybrid_backward", "splits_at_heads", "to_head_shards",
     "head_grads_to_tokens", "head_shards_forward", "head_shards_backward", "out_to_tokens", "dout_to_heads",
+    "hands_over",
 ]
 
 
@@ -71,12 +72,20 @@ def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple
     return ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ulysses, setup.ring)
 
 
-def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse, heads=(), shapes=()):
+def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse, heads=(), shapes=(),
+                   tokens=None):
     if setup.ulysses is None:
         return kv_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
     return ulysses_ring_backward(
-        dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes
+        dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes, tokens
     )
+
+
+def hands_over(setup: HybridSetup) -> bool:
+    """Whether the backward can take over the saved token shards of q, k, v and out (Note [Saved
+    tensors handed over] in ``seqpar.saved``): Ulysses without ``keep_head_shards`` and without
+    replicated rows, whose backward exchanges them first and needs them no more."""
+    return setup.ulysses is not None and not setup.ulysses.keep_head_shards and setup.replicated is None
 
 
 def splits_at_heads(setup: HybridSetup) -> bool:
@@ -176,12 +185,12 @@ def hybrid_forward(
 def hybrid_backward(
     setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...] = (),
-    shapes: tuple[torch.Size, ...] = (),
+    shapes: tuple[torch.Size, ...] = (), tokens: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward (see :func:`_hybrid_backward`), its transfer buffers in one workspace
     scope (Note [Workspace])."""
     with _scope(setup):
-        return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes)
+        return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes, tokens)
 
 
 _NO_SCOPE = contextlib.nullcontext()
@@ -225,11 +234,12 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
 def _hybrid_backward(
     setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
-    shapes: tuple[torch.Size, ...],
+    shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward from :func:`hybrid_forward`'s results; no autograd. Given the head
     shards ``heads`` and no replicated rows, ``q, k, v, out`` may be None; ``shapes`` are then
-    q's, k's, v's.
+    q's, k's, v's. So they may given ``tokens``, a list ``[q, k, v, out]`` the backward empties
+    as it sends them (:func:`hands_over` calls only; Note [Saved tensors handed over]).
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
@@ -240,9 +250,11 @@ def _hybrid_backward(
     p, s = setup.prefix, setup.suffix
     if setup.replicated is None:
         dq, dk, dv, dsinks, _, _ = _body_backward(
-            setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes
+            setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes, tokens
         )
         return dq, dk, dv, dsinks
+    if tokens is not None:
+        raise ValueError("hybrid_backward: tokens are handed over only without replicated rows (hands_over)")
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
     dq_b, dk_b, dv_b, ds_b, dk_rb, dv_rb = _body_backward(

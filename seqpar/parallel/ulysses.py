@@ -315,7 +315,9 @@ def ulysses_attention(
 # one staging copy alive instead of five, and each result a contiguous tensor of its own rather than
 # a strided view of one fused buffer (the kernels read them faster). Its peak is then the kernel's
 # working set: the head-sharded q, k, v, out, dout and their gradients (bench_memory.py,
-# docs/performance.md).
+# docs/performance.md). The token shards of q, k, v and out are dead once sent; an eager call
+# hands them over to its backward, which frees each as it is sent (Note [Saved tensors handed
+# over] in seqpar/saved.py), so the kernels' working set is not paid on top of them.
 #
 # ``ParallelState(keep_head_shards=True)`` makes the opposite trade, explicitly: the forward
 # receives q, k and v one at a time as tensors of their own (never workspace buffers) and keeps
@@ -448,14 +450,21 @@ def ulysses_ring_backward(
     dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     extra_k: Tensor | None, extra_v: Tensor | None, out: Tensor | None, lse_u: Tensor, spec: UlyssesSetup,
     run: RingSetup | AllGatherSetup, heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (),
+    tokens: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``. With the forward's head shards ``heads`` (``keep_head_shards``) only
-    ``dout`` travels, and ``q, k, v, out`` may be None: ``shapes`` then gives q's, k's and v's."""
+    ``dout`` travels, and ``q, k, v, out`` may be None: ``shapes`` then gives q's, k's and v's.
+    ``tokens``: instead of ``q, k, v, out`` (None then, ``shapes`` given), a list of them that
+    the call empties as it sends each one, so that each is freed once sent (Note [Saved tensors
+    handed over] in ``seqpar.saved``)."""
     if heads:
         q_u, k_u, v_u, out_u = heads
         (dout_u,) = spec.to_heads_each([dout], "q")
         shapes = shapes or (q.shape, k.shape, v.shape)
+    elif tokens is not None:
+        tokens.append(dout)
+        q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each(tokens, "qkkqq")
     else:
         shapes = (q.shape, k.shape, v.shape)
         q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")

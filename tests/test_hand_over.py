@@ -1,0 +1,167 @@
+"""The Ulysses backward takes over the saved token shards and frees each once it is sent (Note
+[Saved tensors handed over] in ``seqpar/saved.py``).
+
+On 1 x U and 2 x 2 splits (U = 2, 3, 4) with GQA and an odd length, float64 against the
+single-device reference: the token shards of q, k, v and out are gone when the kernels run; with
+``retain_graph=True`` they are kept and a second backward gives the same gradients; under
+``save_on_cpu`` and non-reentrant checkpointing (other saved-tensor hooks) the hand-over stands
+aside and results stay exact; a saved tensor modified in place raises; ring-only states and
+``keep_head_shards`` do not use it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+import seqpar
+import seqpar.parallel.ulysses as ulysses_mod
+from seqpar import ParallelState
+from seqpar.backends import reference_attention
+from seqpar.saved import HandOver
+
+S, H, HKV, D = 37, 6, 2, 8
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(1, S, h, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV, H)]
+
+
+def _reference():
+    q, k, v, dout = _inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = reference_attention(*leaves, causal=True)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _run(state, mode: str) -> dict:
+    """One call on leaves ``x`` through a scalar multiply (saves nothing), so the token shards
+    attention saves are held by attention alone; what is alive when the kernels run."""
+    q, k, v, dout = (seqpar.shard(t, state) for t in _inputs())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    alive: list[list[bool]] = []
+    refs: list[StorageWeakRef] = []
+    original = ulysses_mod.heads_backward
+
+    def spy(*args, **kwargs):
+        alive.append([not r.expired() for r in refs])
+        return original(*args, **kwargs)
+
+    def layer(a, b, c):
+        tokens = [t.mul(1.0) for t in (a, b, c)]
+        out = seqpar.attention(*tokens, state, causal=True, seq_len=S)
+        refs.extend(StorageWeakRef(t.untyped_storage()) for t in (*tokens, out))
+        return out.mul(1.0)
+
+    ulysses_mod.heads_backward = spy
+    try:
+        if mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = layer(*leaves)
+        elif mode == "checkpoint":
+            y = checkpoint(layer, *leaves, use_reentrant=False)
+        else:
+            y = layer(*leaves)
+        if mode == "retain":
+            y.backward(dout, retain_graph=True)
+            first = [t.grad.clone() for t in leaves]
+            y.backward(dout)
+            grads = [t.grad - f for t, f in zip(leaves, first)]  # the second backward alone
+        elif mode == "inplace":
+            # The token shards are gone after a scalar multiply; modify the saved output instead.
+            # (out is saved by attention and returned: a modification reaches it through y's input.)
+            y = None
+            q2, k2, v2 = (t.mul(1.0) for t in leaves)
+            out = seqpar.attention(q2, k2, v2, state, causal=True, seq_len=S)
+            out.add_(1.0)
+            try:
+                out.backward(dout)
+            except RuntimeError as e:
+                return {"error": str(e)}
+            return {"error": None}
+        else:
+            y.backward(dout)
+            grads = [t.grad for t in leaves]
+    finally:
+        ulysses_mod.heads_backward = original
+    ref_out, ref_grads = _reference()
+    want = [seqpar.shard(t, state) for t in ref_grads]
+    err = max((a - b).abs().max().item() for a, b in zip(grads, want))
+    return {"err": err, "alive": alive}
+
+
+def _rank(mode: str) -> list[tuple[str, dict]]:
+    n = dist.get_world_size()
+    splits = [(1, n)] + ([(2, 2)] if n == 4 else [])
+    results = []
+    for R, U in splits:
+        state = ParallelState(R, U)
+        results.append((f"{R}x{U}", _run(state, mode)))
+        state.close()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_token_shards_freed_when_the_kernels_run(pools, world):
+    for rank, results in enumerate(pools(world).run(_rank, "plain")):
+        for split, r in results:
+            assert r["err"] < 1e-10, (rank, split, r)
+            # q, k, v and out of the one call: all freed before the head shards' backward.
+            assert r["alive"] == [[False] * 4], (rank, split, r)
+
+
+@pytest.mark.parametrize("mode", ["retain", "save_on_cpu", "checkpoint"])
+def test_kept_graph_and_other_hooks_keep_results_exact(pools, mode):
+    for rank, results in enumerate(pools(3).run(_rank, mode)):
+        for split, r in results:
+            assert r["err"] < 1e-10, (rank, split, r)
+            if mode == "retain":  # kept for the second backward, handed over by it (no retain_graph)
+                assert r["alive"] == [[True] * 4, [False] * 4], (rank, split, r)
+
+
+def test_a_saved_tensor_modified_in_place_raises(pools):
+    for rank, results in enumerate(pools(2).run(_rank, "inplace")):
+        for split, r in results:
+            assert r["error"] is not None and "inplace" in r["error"], (rank, split, r)
+
+
+def test_hand_over_stands_aside_under_other_hooks():
+    assert HandOver().active
+    with torch.autograd.graph.save_on_cpu():
+        assert not HandOver().active
+
+
+def _rank_not_used(keep: bool, R: int) -> int:
+    """How many hand-overs a call of this state makes."""
+    import importlib
+
+    attention_mod = importlib.import_module("seqpar.attention")  # the module, not the function
+
+    made = []
+    original = attention_mod.HandOver
+
+    class Counting(original):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    attention_mod.HandOver = Counting
+    try:
+        state = ParallelState(R, dist.get_world_size() // R, keep_head_shards=keep)
+        q, k, v, dout = (seqpar.shard(t, state).requires_grad_() for t in _inputs())
+        seqpar.attention(q, k, v, state, causal=True, seq_len=S).backward(dout.detach())
+        state.close()
+    finally:
+        attention_mod.HandOver = original
+    return len(made)
+
+
+def test_only_ulysses_without_kept_head_shards_hands_over(pools):
+    assert pools(2).run(_rank_not_used, False, 1) == [1, 1]
+    assert pools(2).run(_rank_not_used, True, 1) == [0, 0]  # the head shards are saved instead
+    assert pools(2).run(_rank_not_used, False, 2) == [0, 0]  # the ring needs q, k, v, out throughout
