@@ -5,8 +5,9 @@ On 1 x U and 2 x 2 splits (U = 2, 3, 4) with GQA and an odd length, float64 agai
 single-device reference: the token shards of q, k, v and out are gone when the kernels run; with
 ``retain_graph=True`` they are kept and a second backward gives the same gradients; under
 ``save_on_cpu`` and non-reentrant checkpointing (other saved-tensor hooks) the hand-over stands
-aside and results stay exact; a saved tensor modified in place raises; ring-only states and
-``keep_head_shards`` do not use it.
+aside (what they hand back is freed once sent when they keep no copy: non-reentrant
+checkpointing) and results stay exact; a saved tensor modified in place raises; ring-only states
+and ``keep_head_shards`` do not use it.
 """
 
 from __future__ import annotations
@@ -40,26 +41,37 @@ def _reference():
 
 
 def _run(state, mode: str) -> dict:
-    """One call on leaves ``x`` through a scalar multiply (saves nothing), so the token shards
-    attention saves are held by attention alone; what is alive when the kernels run."""
+    """One call on leaves through a scalar multiply (saves nothing), so the token shards attention
+    saves are held by attention alone; whether the token shards its backward received (the
+    tensors it sends first) are still alive when the kernels run."""
     q, k, v, dout = (seqpar.shard(t, state) for t in _inputs())
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     alive: list[list[bool]] = []
-    refs: list[StorageWeakRef] = []
-    original = ulysses_mod.heads_backward
+    received: list[StorageWeakRef] = []
+    original_kernels, original_exchange = ulysses_mod.heads_backward, ulysses_mod.UlyssesSetup.to_heads_each
 
-    def spy(*args, **kwargs):
-        alive.append([not r.expired() for r in refs])
-        return original(*args, **kwargs)
+    def spy_exchange(self, xs, kinds, **kwargs):
+        if kinds == "qkkqq":  # the backward's exchange of q, k, v, out (and dout)
+            received[:] = [StorageWeakRef(t.untyped_storage()) for t in xs[:4]]
+        return original_exchange(self, xs, kinds, **kwargs)
+
+    def spy_kernels(*args, **kwargs):
+        alive.append([not r.expired() for r in received])
+        return original_kernels(*args, **kwargs)
 
     def layer(a, b, c):
-        tokens = [t.mul(1.0) for t in (a, b, c)]
-        out = seqpar.attention(*tokens, state, causal=True, seq_len=S)
-        refs.extend(StorageWeakRef(t.untyped_storage()) for t in (*tokens, out))
-        return out.mul(1.0)
+        return seqpar.attention(*(t.mul(1.0) for t in (a, b, c)), state, causal=True, seq_len=S).mul(1.0)
 
-    ulysses_mod.heads_backward = spy
+    ulysses_mod.heads_backward, ulysses_mod.UlyssesSetup.to_heads_each = spy_kernels, spy_exchange
     try:
+        if mode == "inplace":
+            out = seqpar.attention(*(t.mul(1.0) for t in leaves), state, causal=True, seq_len=S)
+            out.add_(1.0)  # the output is saved for the backward
+            try:
+                out.backward(dout)
+            except RuntimeError as e:
+                return {"error": str(e)}
+            return {"error": None}
         if mode == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu():
                 y = layer(*leaves)
@@ -72,24 +84,12 @@ def _run(state, mode: str) -> dict:
             first = [t.grad.clone() for t in leaves]
             y.backward(dout)
             grads = [t.grad - f for t, f in zip(leaves, first)]  # the second backward alone
-        elif mode == "inplace":
-            # The token shards are gone after a scalar multiply; modify the saved output instead.
-            # (out is saved by attention and returned: a modification reaches it through y's input.)
-            y = None
-            q2, k2, v2 = (t.mul(1.0) for t in leaves)
-            out = seqpar.attention(q2, k2, v2, state, causal=True, seq_len=S)
-            out.add_(1.0)
-            try:
-                out.backward(dout)
-            except RuntimeError as e:
-                return {"error": str(e)}
-            return {"error": None}
         else:
             y.backward(dout)
             grads = [t.grad for t in leaves]
     finally:
-        ulysses_mod.heads_backward = original
-    ref_out, ref_grads = _reference()
+        ulysses_mod.heads_backward, ulysses_mod.UlyssesSetup.to_heads_each = original_kernels, original_exchange
+    _, ref_grads = _reference()
     want = [seqpar.shard(t, state) for t in ref_grads]
     err = max((a - b).abs().max().item() for a, b in zip(grads, want))
     return {"err": err, "alive": alive}
@@ -122,6 +122,8 @@ def test_kept_graph_and_other_hooks_keep_results_exact(pools, mode):
             assert r["err"] < 1e-10, (rank, split, r)
             if mode == "retain":  # kept for the second backward, handed over by it (no retain_graph)
                 assert r["alive"] == [[True] * 4, [False] * 4], (rank, split, r)
+            if mode == "checkpoint":  # the recomputed tensors: the checkpoint lets go once unpacked
+                assert r["alive"] == [[False] * 4], (rank, split, r)
 
 
 def test_a_saved_tensor_modified_in_place_raises(pools):
