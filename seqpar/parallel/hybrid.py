@@ -238,8 +238,8 @@ def _hybrid_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward from :func:`hybrid_forward`'s results; no autograd. Given the head
     shards ``heads`` and no replicated rows, ``q, k, v, out`` may be None; ``shapes`` are then
-    q's, k's, v's. So they may given ``tokens``, a list ``[q, k, v, out]`` the backward empties
-    as it sends them (:func:`hands_over` calls only; Note [Saved tensors handed over]).
+    q's, k's, v's. They are None too given ``tokens``, a list ``[q, k, v, out]`` the backward
+    empties as it sends them (:func:`hands_over` calls only; Note [Saved tensors handed over]).
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
