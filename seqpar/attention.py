@@ -79,8 +79,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
         q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
-        if ctx.hand_over is not None:  # Note [Saved tensors handed over]
-            ctx.hand_over.take()
+        if ctx.hand_over is not None and ctx.hand_over.take():  # Note [Saved tensors handed over]
             tokens, shapes = [q, k, v, out], (q.shape, k.shape, v.shape)
             del q, k, v, out
             grads = hybrid_backward(ctx.setup, dout, None, None, None, sinks, None, lse_body, lse_replicated, (),

@@ -25,11 +25,14 @@ them could change a result or another tool's behaviour:
 - the graph is kept (``backward(retain_graph=True)``): a second backward needs them;
 - this torch lacks either private entry point used here (checked once, at import).
 
-The backward passes the tensors on in the list either way, keeping no reference of its own: what
-other hooks hand back is then freed once sent if they keep no copy. Non-reentrant checkpointing
-lets go of a recomputed tensor once it is unpacked, so there the token shards go as well
-(measured on one rank of 1 x 4, four checkpointed layers of ``scripts/bench_memory.py``'s stack,
-Hkv = 2: peak 13.53 -> 11.03 token shards of x).
+Under other hooks the backward could still pass the tensors on without keeping references of
+its own; non-reentrant checkpointing lets go of a recomputed tensor once it is unpacked, so the
+token shards would go there too (measured on one rank of 1 x 4, four checkpointed layers of
+``scripts/bench_memory.py``'s stack, Hkv = 2: peak 13.53 -> 11.03 token shards of x). It does
+not, for now: with the attention moment that much lower, the peak of a checkpointed model is
+another moment at short lengths and this one at long lengths, which bends the line that
+``scripts/bench_longest.py`` fits and extrapolates (its tiny 2 x 2 validation measured 9% above
+the line at 2.5 times the fitted lengths). The memory model has to follow that change first.
 
 Modifying a saved tensor in place between the forward and the backward raises, as autograd's own
 check does (the versions are compared at unpacking).
@@ -79,7 +82,7 @@ class HandOver:
         hand_over = HandOver()
         with hand_over:
             out = Function.apply(..., hand_over)   # the forward stores it on ctx
-        # backward: q, k, v, out = ctx.saved_tensors; ctx.hand_over.take(); then pass them on in a
+        # backward: q, k, v, out = ctx.saved_tensors; if ctx.hand_over.take(): pass them on in a
         # list the callee empties, holding no reference of its own
 
     Attributes:
