@@ -371,19 +371,23 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
             lens = [seq_len // 3, seq_len - seq_len // 3]
             ref = torch.cat([reference_attention(*(t[:, a:a + n] for t in leaves), causal=True)
                              for a, n in zip((0, lens[0]), lens)], 1)
-            local = [seqpar.shard_packed(t[0], state, lens).requires_grad_() for t in (q, k, v)]
+
+            def shard(t):
+                return seqpar.shard_packed(t[0], state, lens)
+
+            local = [shard(t).requires_grad_() for t in (q, k, v)]
             out = seqpar.varlen_attention(*local, state, lens, causal=True, backend="cpu")
-            out.backward(seqpar.shard_packed(dout[0], state, lens))
-            want = [seqpar.shard_packed(t[0], state, lens) for t in (ref,)]
         else:
             ref = reference_attention(*leaves, causal=True)
-            local = [seqpar.shard(t, state).requires_grad_() for t in (q, k, v)]
+
+            def shard(t):
+                return seqpar.shard(t, state)
+
+            local = [shard(t).requires_grad_() for t in (q, k, v)]
             out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=seq_len)
-            out.backward(seqpar.shard(dout, state))
-            want = [seqpar.shard(ref, state)]
+        out.backward(shard(dout))
         ref.backward(dout)
-        shard = (lambda t: seqpar.shard_packed(t[0], state, lens)) if packed else (lambda t: seqpar.shard(t, state))
-        want += [shard(t.grad) for t in leaves]
+        want = [shard(t) for t in (ref.detach(), *(t.grad for t in leaves))]
         err = max((a.detach() - b).abs().max().item() for a, b in zip([out, *(t.grad for t in local)], want))
     finally:
         ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer = call_backward, remote_grads, buffer
