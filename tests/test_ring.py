@@ -401,6 +401,51 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
     }
 
 
+
+def _released_kv_case(seq_len: int) -> dict:
+    """One causal ring backward with a spy on its buffers (Note [Step buffers released]): at each
+    request for the buffers that receive this rank's own dK/dV, which received K/V buffers live."""
+    import weakref
+
+    import seqpar.parallel.ring as ring_mod
+
+    kv_refs, alive_at_grad = [], []
+    buffer = ring_mod._buffer
+
+    def spy_buffer(run, role, *args):
+        out = buffer(run, role, *args)
+        if role.startswith(("ring.k.", "ring.v.")):
+            kv_refs.append(weakref.ref(out))
+        elif role == "ring.grad_k":
+            alive_at_grad.append([i for i, r in enumerate(kv_refs) if r() is not None])
+        return out
+
+    state = ParallelState(ring_size=torch.distributed.get_world_size())
+    q, k, v, dout = _full_inputs(seq_len, 1, 4, 2, 8, seed=5)
+    local = [seqpar.shard(t, state).requires_grad_() for t in (q, k, v)]
+    out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=seq_len)
+    kv_refs.clear()
+    ring_mod._buffer = spy_buffer
+    try:
+        out.backward(seqpar.shard(dout, state))
+    finally:
+        ring_mod._buffer = buffer
+    return {"posted": len(kv_refs), "alive_at_grad": alive_at_grad}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_kv_freed_before_gradients_are_received(pools, world):
+    # The buffers a remote step's K/V arrived in are dead once its kernels have run: when the
+    # receive buffers of this rank's own dK/dV are allocated, only the next step's K/V (posted,
+    # in flight) may live. On the old code the step's own K/V were still held there.
+    for rank, r in enumerate(pools(world).run(_released_kv_case, 37)):
+        assert r["posted"] == 2 * (world - 1), (rank, r)
+        assert len(r["alive_at_grad"]) == world - 1, (rank, r)
+        for n, alive in enumerate(r["alive_at_grad"]):
+            # step n + 1 is computed: only the buffers of step n + 2 (if any) are alive
+            want = [2 * (n + 1), 2 * (n + 1) + 1] if n + 2 < world else []
+            assert alive == want, (rank, n, r)
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_gradients_sent_without_a_staging_copy(pools, packed):
     # Dense causal zig-zag: every remote step is one kernel call over all of the step's key rows,

@@ -50,6 +50,15 @@ sums over several calls (segments, shared key rows) are made in the slot itself 
 the accumulator dtype. Measured at S = 4096, H = 8, D = 64, fp32, causal, 4 ranks
 (``scripts/bench_memory.py``, docs/performance.md): the ring's peak per rank fell 3-11% (H = Hkv
 dense 29.0 -> 27.0 MiB, packed 37.8 -> 33.8 MiB).
+
+Note [Step buffers released]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A remote step's K/V buffers are read for the last time by its kernels. The backward drops its
+references to them right there, before it allocates the buffers that receive this rank's own
+dK/dV, and the swap to the next step's buffers leaves one reference, not two. Otherwise the
+step's K/V lived until the next swap: on the last step of a ring of 2 they sat next to the
+kernel's dK/dV and the receive buffers, which made that moment the layer's peak (4-layer stack,
+2 x 2, H = Hkv = 8, S = 4096, fp32: 27.06 -> 26.57 x-shards per rank, the peak back at a kernel).
 """
 
 from __future__ import annotations
@@ -61,7 +70,9 @@ from torch import Tensor
 
 from ..backends.base import KernelBackend, Packing
 from ..comm import Group, Workspace, post
-from ..placement.ring import BlockCall, RingPlan, SegmentCall, split_wide_blocks
+from ..placement.ring import (
+    BlockCall, RingPlan, SegmentCall, covers_keys, disjoint_keys, is_single_block, split_wide_blocks,
+)
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
 __all__ = ["RingSetup", "ring_forward", "ring_backward"]
@@ -288,7 +299,7 @@ def _remote_grads(run: RingSetup, slot: int, like: tuple[Tensor, Tensor], kv_len
     ``slot``: the step's send slot (0 or 1), alternated for the buffers a kept workspace would
     reuse while the previous step's are in flight."""
     k_own, v_own = like
-    if len(calls) == 1 and _covers_keys(calls[0], kv_len):
+    if len(calls) == 1 and covers_keys(calls[0], kv_len):
         # One kernel call whose results are every row: they travel as they are.
         rows, _, g_q, g_k, g_v = _call_backward(run, calls[0], dout, q, k, v, out, lse, cache)
         dq.add(rows, g_q)
@@ -307,7 +318,7 @@ def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accu
     accumulator dtype first (segments, shared key rows; in ``gk`` / ``gv`` themselves when they
     are in that dtype)."""
     calls = split_wide_blocks(calls)
-    if not any(isinstance(c, SegmentCall) for c in calls) and _disjoint_keys(calls):
+    if not any(isinstance(c, SegmentCall) for c in calls) and disjoint_keys(calls):
         for call in calls:
             rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
             dq.add(rows, g_q)
@@ -333,11 +344,6 @@ def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accu
     if sum_k is not gk:
         gk.copy_(sum_k)
         gv.copy_(sum_v)
-
-
-def _covers_keys(call, kv_len: int) -> bool:
-    """Whether ``call`` is one block over all ``kv_len`` key rows (its dK/dV are the whole step's)."""
-    return isinstance(call, BlockCall) and (call.k0, call.k1) == (0, kv_len)
 
 
 def _post_kv(run: RingSetup, step, k: Tensor, v: Tensor, slot: int):
@@ -464,6 +470,9 @@ def ring_backward(
             send_k, send_v = _remote_grads(
                 run, i % 2, (k, v), step.kv_len, step.calls, dout, q, k_cur, v_cur, out, lse, dq, cache
             )
+            # This step's K/V are read for the last time: free their slot before the receive
+            # buffers below are allocated (Note [Step buffers released]).
+            k_cur = v_cur = None
             # The previous step's gradients have arrived by now (their transfer overlapped this
             # step's compute): add them home, which frees the receive slot.
             if grads_in is not None:
@@ -481,7 +490,7 @@ def ring_backward(
         if pending is not None:
             pending.wait()
             _record(run, "wait", i + 1)
-            k_cur, v_cur = k_next, v_next
+            k_cur, v_cur, k_next, v_next = k_next, v_next, None, None
     if grads_in is not None:
         add_home(grads_in)
         _record(run, "wait_grad", len(steps) - 1)
@@ -498,13 +507,4 @@ def ring_backward(
 def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
     """Whether the whole call is one kernel call on the whole buffers (no ring, no extra keys)."""
     steps = run.plan.steps
-    if len(steps) != 1 or extra_k is not None or len(steps[0].calls) != 1:
-        return False
-    call = steps[0].calls[0]
-    return isinstance(call, BlockCall) and (call.q0, call.q1, call.k0, call.k1) == (0, q.shape[1], 0, k.shape[1])
-
-
-def _disjoint_keys(calls) -> bool:
-    """Whether the block calls read disjoint key rows (each key's gradient comes from one call)."""
-    spans = sorted((c.k0, c.k1) for c in calls)
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    return len(steps) == 1 and extra_k is None and is_single_block(steps[0].calls, q.shape[1], k.shape[1])

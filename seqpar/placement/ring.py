@@ -46,7 +46,8 @@ from torch import Tensor
 from .masks import Mask
 from .layout import Placement
 
-__all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "tile_pairs", "split_wide_blocks", "SPLIT_KEYS_FROM"]
+__all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "tile_pairs", "split_wide_blocks", "SPLIT_KEYS_FROM",
+           "covers_keys", "disjoint_keys", "is_single_block"]
 
 _NEG, _POS = -(1 << 60), 1 << 60
 
@@ -483,3 +484,22 @@ def split_wide_blocks(calls: tuple[Call, ...] | list[Call]) -> list[Call]:
         else:
             out.append(call)
     return out
+
+
+def covers_keys(call: Call, kv_len: int) -> bool:
+    """Whether ``call`` is one block over all ``kv_len`` key rows (its dK/dV are the whole step's)."""
+    return isinstance(call, BlockCall) and (call.k0, call.k1) == (0, kv_len)
+
+
+def disjoint_keys(calls) -> bool:
+    """Whether the block calls read disjoint key rows (each key's gradient comes from one call)."""
+    spans = sorted((c.k0, c.k1) for c in calls)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def is_single_block(calls, q_len: int, kv_len: int) -> bool:
+    """Whether ``calls`` are one block of every query row against every key row."""
+    if len(calls) != 1 or not isinstance(calls[0], BlockCall):
+        return False
+    c = calls[0]
+    return (c.q0, c.q1, c.k0, c.k1) == (0, q_len, 0, kv_len)
