@@ -240,8 +240,11 @@ def test_state_and_memory_estimate(pools):
     for rows in zip(*per_rank):  # one candidate of one shape, on every rank
         label, estimate = rows[0][:2]
         measured = max(m for _, _, m in rows)  # the estimate is the busiest rank's
-        # An upper estimate: the buffers seqpar holds, not all of them alive at one moment.
-        assert 0.9 <= estimate / measured <= 1.6, (label, estimate, measured)
+        # The p2p ring and Ulysses are followed moment by moment (Note [Planner prediction]);
+        # kernel scratch is not counted (the windowed shape's band tiles: a few percent). The
+        # all-gather transport's slots are counted whole, an upper estimate.
+        low, high = (0.95, 1.5) if "all-gather" in label else (0.95, 1.1)
+        assert low <= estimate / measured <= high, (label, estimate, measured)
 
 
 # --- the choice against measured times -------------------------------------------------------

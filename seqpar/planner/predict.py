@@ -33,14 +33,20 @@ rank's transfer in flight (forward: the next K/V; backward: the next K/V and the
 step's gradients). All-to-alls do not overlap anything. Summed over phases, that is the predicted
 time of the layer.
 
-The memory estimate is the bytes one rank holds at the peak of the layer's backward: the shards of
-q, k, v, out, dout and their gradients, the head-sharded copies and staging buffers of the
-all-to-alls, the fp32 accumulators, the ring's K/V and gradient buffers (two slots each) and the
-largest kernel result -- the buffers Notes [Workspace] and [Ring schedule] describe, not the
-allocator's fragmentation or kernel scratch. The all-gather transport holds ``R + 1`` slots of
-``width`` K/V rows (the gathered buffer and the own part) and as many for dK/dV instead of the
-ring's two-step slots. With ``keep_head_shards`` the token shards of q, k and v are not held
-(nothing saves them), the head shards are (the same head-sharded terms).
+The memory estimate is the bytes one rank holds at the peak of the layer's backward, followed
+moment by moment: held throughout, the shards of q, k, v, out, dout and the log-sum-exps; then the
+largest of the exchange to heads (the head-sharded q, k, v, out, dout, K/V expanded to the
+kernel's heads, one staging copy), each ring step's kernel and the moment after it (the fp32
+accumulators, the step's K/V and the next step's arriving, the previous step's dK/dV in flight
+both ways, the kernel's results, a send slot only where results are not sent as they are: Notes
+[Ring schedule], [Gradients sent as computed], [Step buffers released]) and the way back (the
+head-sharded gradients, one staging copy, the shard's dq, dk, dv). Not counted: kernel scratch
+(the CPU backend's windowed band kernels allocate some) and the allocator's fragmentation. The
+all-gather transport holds ``R + 1`` slots of ``width`` K/V rows (the gathered buffer and the own
+part) and as many for dK/dV, counted whole. With ``keep_head_shards`` the token shards of q, k
+and v are not held (nothing saves them), the head shards are (the same head-sharded terms). The
+Ulysses hand-over (Note [Saved tensors handed over]) is not counted: whether the token shards die
+once sent depends on whether the model holds them elsewhere.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from ..placement import Mask, Placement, imbalance, ring_plan
 from ..placement.cost import StepWork, kernel_flops, kv_bytes, rank_cost, ring_work
 from ..placement.gather import gather_plan
 from ..placement.heads import HeadAssignment, head_assignments
-from ..placement.ring import RingPlan
+from ..placement.ring import RingPlan, SegmentCall, covers_keys, disjoint_keys, is_single_block, split_wide_blocks
 from .cost import CostModel, Link
 
 __all__ = ["Shape", "Candidate", "predict"]
@@ -368,12 +374,12 @@ def _memory(
 ) -> int:
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
-    Two moments compete: the ring backward (shards of q, k, v, out, dout; the all-to-all's
-    head-sharded copies and the staging copy of the one tensor in flight; fp32 accumulators; ring buffers; one kernel's gradients) and
-    the way back (the accumulators gone, the head-sharded gradients and their staging, and the
-    shard gradients dq, dk, dv). ``gather_width``: the all-gather transport's slot rows (Note
-    [All-gather K/V]), whose buffers replace the ring's two-step slots. ``keep_head_shards``:
-    the shard's q, k, v are not held (Note [Ulysses memory]).
+    Held throughout: the shards of q, k, v, out, dout (``keep_head_shards``: out and dout) and
+    the log-sum-exps. Then the largest of three moments: the exchange to heads (the head-sharded
+    q, k, v, out, dout and the staging copy of the one tensor in flight), the ring backward (the
+    head-sharded inputs and :func:`_ring_peak`), and the way back (the head-sharded gradients,
+    the staging of one of them, and the shard's dq, dk, dv). ``gather_width``: the all-gather
+    transport's slot rows (Note [All-gather K/V]), whose buffers replace the ring's step buffers.
     """
     R, U = placement.ring_size, placement.ulysses_size
     H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
@@ -382,38 +388,87 @@ def _memory(
     for r in range(R):
         plan = plans[r]
         L = plan.q_len
-        max_recv = plan.max_recv
-        max_send = max((sum(b - a for a, b in s.send_rows) for s in plan.steps[1:]), default=0)
-        block_q = max((c.q1 - c.q0 for s in plan.steps for c in s.calls), default=0)
-        block_k = max((c.k1 - c.k0 for s in plan.steps for c in s.calls), default=0)
         for u in range(U):
             a = heads[u]
             local = placement.shard_lengths[r * U + u]
             h, kv = a.q_len, a.kernel_kv_heads
-            # q, k, v, out, dout of the shard (q, k, v not kept when the head shards are)
-            shards = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
-            ring = back = 0
+            held = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
+            held += B * L * h * 4  # the forward's log-sum-exps (fp32), this rank's heads
+            grads = local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
+            ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width) if h else 0
             if U > 1:
-                shards += local * H * unit * e  # all-to-all staging: one tensor at a time (Note [Ulysses memory])
-                shards += L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
-                back = L * (h + 2 * a.kv_len) * unit * e  # dq, dk, dv of its heads
-                back += L * max(h, a.kv_len) * unit * e  # their staging, one at a time
-            back += local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
-            if h:
-                ring = L * (h + 2 * kv) * unit * acc  # fp32 accumulators of dq, dk, dv
-                ring += (block_q * h + 2 * block_k * kv) * unit * e  # one kernel's dq, dk, dv
-                if R > 1 and gather_width is not None:
-                    rows = (R + 1) * gather_width  # R slots and the own part
-                    ring += 2 * rows * kv * unit * e  # gathered K/V
-                    ring += 2 * rows * kv * unit * e  # dK/dV slots and the summed own slot
-                    ring += 2 * max_recv * kv * unit * e  # a step's rows copied out of its slot
-                    ring += 2 * max_recv * kv * unit * acc  # dK/dV summed in fp32
-                elif R > 1:
-                    slots = min(2, R - 1)  # ping-pong buffers, one when there is one remote step
-                    ring += slots * 2 * max_recv * kv * unit * e  # K/V receive slots
-                    ring += 2 * max_send * kv * unit * e  # staged K/V rows sent
-                    ring += slots * 2 * max_recv * kv * unit * e  # dK/dV send slots
-                    ring += 2 * max_send * kv * unit * e  # dK/dV received
-                    ring += 2 * max_recv * kv * unit * acc  # dK/dV summed in fp32
-            worst = max(worst, shards + max(ring, back))
+                inputs = L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
+                if a.kv_index is not None:
+                    inputs += 2 * L * kv * unit * e  # K/V expanded to the kernel's heads
+                moments = (
+                    inputs + local * H * unit * e,  # their exchange: one staging copy at a time
+                    inputs + ring,
+                    L * (h + 2 * a.kv_len + max(h, a.kv_len)) * unit * e + grads,  # dq, dk, dv back
+                )
+            else:
+                moments = (ring, grads)
+            worst = max(worst, held + max(moments))
     return worst
+
+
+def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, acc: int,
+               gather_width: int | None) -> int:
+    """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
+    of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
+    (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
+    dq, dk, dv accumulators (one kernel's results on a single-block call, which has none), at
+    each kernel the step's K/V, the next step's arriving (and their staging when not contiguous),
+    the previous step's dK/dV in flight both ways, the kernel's results and the step's send slot
+    when its results are not sent as they are; after it, the step's dK/dV sent and this rank's
+    arriving."""
+    L, steps = plan.q_len, plan.steps
+
+    def sent_whole(i: int) -> bool:  # a remote step whose one kernel call's results are sent as they are
+        return i > 0 and len(steps[i].calls) == 1 and covers_keys(steps[i].calls[0], steps[i].kv_len)
+
+    def kernel_results(i: int) -> int:  # the largest call's dq, dk, dv (remote steps' wide blocks cut in two)
+        calls = steps[i].calls if i == 0 or sent_whole(i) else split_wide_blocks(steps[i].calls)
+        return max((((c.q1 - c.q0) * h + 2 * (c.k1 - c.k0) * kv) * unit * e for c in calls), default=0)
+
+    kernel_out = [kernel_results(i) for i in range(len(steps))]
+    if len(steps) == 1 and is_single_block(steps[0].calls, L, L):
+        return L * (h + 2 * kv) * unit * e
+    accumulators = L * (h + 2 * kv) * unit * acc
+    if len(steps) == 1:
+        return accumulators + kernel_out[0]
+    if gather_width is not None:
+        R = len(steps)
+        rows = (R + 1) * gather_width  # R slots and the own part
+        max_recv = plan.max_recv
+        return (accumulators + max(kernel_out) + 2 * rows * kv * unit * e  # gathered K/V
+                + 2 * rows * kv * unit * e  # dK/dV slots and the summed own slot
+                + 2 * max_recv * kv * unit * (e + acc))  # a step's rows copied out, summed in fp32
+
+    def kv_rows(rows: int) -> int:  # K and V (or dK and dV) of ``rows`` rows
+        return 2 * rows * kv * unit * e
+
+    def sent_rows(step) -> int:
+        return sum(b - a for a, b in step.send_rows)
+
+    def staged(step) -> int:  # the K/V rows a step sends, copied out unless they are one contiguous view
+        rows = step.send_rows
+        if not rows or (len(rows) == 1 and (batch == 1 or rows[0] == (0, L))):
+            return 0
+        return kv_rows(sent_rows(step))
+
+    peak = 0
+    for i, step in enumerate(steps):
+        nxt = steps[i + 1] if i + 1 < len(steps) else None
+        ahead = (kv_rows(nxt.kv_len) if nxt.recv_rows else 0) + staged(nxt) if nxt else 0
+        prev = kv_rows(steps[i - 1].kv_len) + kv_rows(sent_rows(steps[i - 1])) if i >= 2 else 0
+        here = kv_rows(step.kv_len) if i else 0
+        slot = 0
+        if i and not sent_whole(i):
+            slot = kv_rows(step.kv_len)
+            calls = split_wide_blocks(step.calls)
+            if e != acc and (any(isinstance(c, SegmentCall) for c in calls) or not disjoint_keys(calls)):
+                slot += 2 * step.kv_len * kv * unit * acc  # summed in fp32 first
+        peak = max(peak, accumulators + here + ahead + prev + kernel_out[i] + slot)
+        if i:  # after its kernels: the step's K/V freed, its dK/dV sent, this rank's arriving
+            peak = max(peak, accumulators + ahead + prev + kv_rows(step.kv_len) + kv_rows(sent_rows(step)))
+    return peak
