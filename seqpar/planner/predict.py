@@ -416,8 +416,9 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
     of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
-    dq, dk, dv accumulators (one kernel's results on a single-block call, which has none), at
-    each kernel the step's K/V, the next step's arriving (and their staging when not contiguous),
+    dq, dk, dv accumulators (a single-block call has none: its kernel's results are the
+    gradients), at each kernel the step's K/V, the next step's arriving (and their staging when
+    not contiguous),
     the previous step's dK/dV in flight both ways, the kernel's results and the step's send slot
     when its results are not sent as they are; after it, the step's dK/dV sent and this rank's
     arriving."""
