@@ -161,6 +161,19 @@ def test_default_cost_and_gpu_shapes():
     assert "ring x ulysses" in text and p.explanation in text and "preset h100" in p.explanation
 
 
+
+def test_explanation_names_each_sides_ring_transfers():
+    # Ulysses chosen, the all-gather hybrid the runner-up, the ring transfer the largest
+    # difference: the sentence says which side has no ring, and gives each side its own bytes.
+    p = plan(4, seq_len=8192, num_heads=8, num_kv_heads=2, head_dim=64, cost=CostModel.preset("h100"))
+    assert (p.ring_size, p.ulysses_size) == (1, 4)
+    text = p.explanation
+    assert "its ring adds" in text, text
+    assert "per rank (no ring) against" in text and "over 0 steps" not in text, text
+    q = plan(8, seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128, window=(4095, 0),
+             cost=CostModel.preset("h100"))
+    assert "per rank over 7 steps against" in q.explanation, q.explanation
+
 def test_cost_model_json_roundtrip(tmp_path):
     for name in ("h100", "cpu"):
         cost = CostModel.preset(name)

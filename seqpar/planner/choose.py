@@ -133,9 +133,12 @@ class DegreePlan:
 
 def _transfers(c: Candidate) -> str:
     """How a candidate's ring moves K/V, for the explanation."""
+    if c.ring_size == 1:
+        return "(no ring)"
     if c.ring_comm == "allgather":
         return "in one all-gather (and a reduce-scatter back)"
-    return f"over {c.ring_size - 1} steps"
+    steps = c.ring_size - 1
+    return f"over {steps} step{'s' if steps > 1 else ''}"
 
 
 def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, cands: list[Candidate],
@@ -178,8 +181,8 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
             ),
             "ring transfer": (
                 f"its ring adds {_ms(best.parts['ring transfer'])} to the compute against "
-                f"{_ms(runner.parts['ring transfer'])} (the ring sends {_mib(best.ring_bytes)} per rank against "
-                f"{_mib(runner.ring_bytes)} {_transfers(best)} against {_transfers(runner)}; "
+                f"{_ms(runner.parts['ring transfer'])} (the ring sends {_mib(best.ring_bytes)} per rank "
+                f"{_transfers(best)} against {_mib(runner.ring_bytes)} {_transfers(runner)}; "
                 f"{cost.overlap:.0%} of a step's shorter side hidden by overlap)"
             ),
             "kernels": (
