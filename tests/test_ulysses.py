@@ -294,3 +294,59 @@ def test_ulysses_output_is_contiguous_and_saved_once(pools, keep):
                 # The projection saves the merged output (and its weight, not a saved storage of the
                 # call): with the default mode that is the call's own saved output, so nothing more.
                 assert extra == (out_bytes if keep else 0) + 16 * 6 * 8 * 4, (world, rank, case, extra, out_bytes)
+
+
+def _expanded_kv_case(world: int, h: int, hkv: int) -> dict:
+    """One Ulysses call with heads that some rank's query heads do not map uniformly onto its
+    K/V heads (H = 9, Hkv = 3 over 2 ranks; H = 8, Hkv = 2 over 3) and spies: at each backward kernel, whether the K/V heads the
+    backward received (the inputs of its expansion) are still alive; and the error to float64."""
+    import weakref
+
+    import seqpar.backends.cpu as cpu_mod
+    import seqpar.parallel.ulysses as uly_mod
+    from seqpar.backends.reference import reference_attention
+
+    state = ParallelState(ring_size=1, ulysses_size=world)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 31, h, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 31, hkv, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(1, 31, h, 8, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, causal=True)
+    ref.backward(dout)
+    local = [shard(t, state).requires_grad_() for t in (q, k, v)]
+    out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=31)
+
+    received, alive_at_kernel = [], []
+    expand, kernel_backward = uly_mod._expand, cpu_mod._kernel_backward
+
+    def spy_expand(heads, x):
+        if heads.kv_index is not None:
+            received.append(weakref.ref(x))
+        return expand(heads, x)
+
+    def spy_kernel(*args, **kwargs):
+        alive_at_kernel.append(sum(r() is not None for r in received))
+        return kernel_backward(*args, **kwargs)
+
+    uly_mod._expand, cpu_mod._kernel_backward = spy_expand, spy_kernel
+    try:
+        out.backward(shard(dout, state))
+    finally:
+        uly_mod._expand, cpu_mod._kernel_backward = expand, kernel_backward
+    want = [shard(t, state) for t in (ref.detach(), *(t.grad for t in leaves))]
+    got = [out.detach(), *(t.grad for t in local)]
+    err = max((a - b).abs().max().item() for a, b in zip(got, want))
+    return {"expanded": len(received), "alive_at_kernel": alive_at_kernel, "err": err}
+
+
+@pytest.mark.parametrize("world, h, hkv", [(2, 9, 3), (3, 8, 2)])
+def test_received_kv_heads_freed_once_expanded(pools, world, h, hkv):
+    # Note [Ulysses memory]: where K/V heads are expanded for the kernel, the received ones are
+    # dead before the kernels run (the old code held both through the backward).
+    results = pools(world).run(_expanded_kv_case, world, h, hkv)
+    assert any(r["expanded"] for r in results), results  # some rank's mapping is not uniform
+    for rank, r in enumerate(results):
+        assert r["err"] < 1e-10, (rank, r)
+        if r["expanded"]:
+            assert r["expanded"] == 2 and r["alive_at_kernel"] and not any(r["alive_at_kernel"]), (rank, r)

@@ -35,9 +35,9 @@ time of the layer.
 
 The memory estimate is the bytes one rank holds at the peak of the layer's backward, followed
 moment by moment: held throughout, the shards of q, k, v, out, dout and the log-sum-exps; then the
-largest of the exchange to heads (the head-sharded q, k, v, out, dout, K/V expanded to the
-kernel's heads, one staging copy), each ring step's kernel and the moment after it (the fp32
-accumulators, the step's K/V and the next step's arriving, the previous step's dK/dV in flight
+largest of the exchange to heads (the head-sharded q, k, v, out, dout, one staging copy), each
+ring step's kernel and the moment after it (K/V expanded to the kernel's heads where the mapping
+is not uniform, the received ones gone unless kept; the fp32 accumulators, the step's K/V and the next step's arriving, the previous step's dK/dV in flight
 both ways, the kernel's results, a send slot only where results are not sent as they are: Notes
 [Ring schedule], [Gradients sent as computed], [Step buffers released]) and the way back (the
 head-sharded gradients, one staging copy, the shard's dq, dk, dv). Not counted: kernel scratch
@@ -398,11 +398,13 @@ def _memory(
             ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width) if h else 0
             if U > 1:
                 inputs = L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
-                if a.kv_index is not None:
-                    inputs += 2 * L * kv * unit * e  # K/V expanded to the kernel's heads
+                at_kernel = inputs
+                if a.kv_index is not None:  # K/V expanded to the kernel's heads; the received
+                    # ones die then unless the forward kept them (Note [Ulysses memory])
+                    at_kernel += 2 * L * (kv - (0 if keep_head_shards else a.kv_len)) * unit * e
                 moments = (
                     inputs + local * H * unit * e,  # their exchange: one staging copy at a time
-                    inputs + ring,
+                    at_kernel + ring,
                     L * (h + 2 * a.kv_len + max(h, a.kv_len)) * unit * e + grads,  # dq, dk, dv back
                 )
             else:
