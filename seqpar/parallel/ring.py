@@ -71,7 +71,7 @@ from torch import Tensor
 from ..backends.base import KernelBackend, Packing
 from ..comm import Group, Workspace, post
 from ..placement.ring import (
-    BlockCall, RingPlan, SegmentCall, covers_keys, disjoint_keys, is_single_block, split_wide_blocks,
+    BlockCall, RingPlan, SegmentCall, is_single_block, sent_as_computed, split_wide_blocks, sums_keys,
 )
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
@@ -299,7 +299,7 @@ def _remote_grads(run: RingSetup, slot: int, like: tuple[Tensor, Tensor], kv_len
     ``slot``: the step's send slot (0 or 1), alternated for the buffers a kept workspace would
     reuse while the previous step's are in flight."""
     k_own, v_own = like
-    if len(calls) == 1 and covers_keys(calls[0], kv_len):
+    if sent_as_computed(calls, kv_len):
         # One kernel call whose results are every row: they travel as they are.
         rows, _, g_q, g_k, g_v = _call_backward(run, calls[0], dout, q, k, v, out, lse, cache)
         dq.add(rows, g_q)
@@ -318,7 +318,7 @@ def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accu
     accumulator dtype first (segments, shared key rows; in ``gk`` / ``gv`` themselves when they
     are in that dtype)."""
     calls = split_wide_blocks(calls)
-    if not any(isinstance(c, SegmentCall) for c in calls) and disjoint_keys(calls):
+    if not sums_keys(calls):
         for call in calls:
             rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
             dq.add(rows, g_q)

@@ -47,7 +47,7 @@ from .masks import Mask
 from .layout import Placement
 
 __all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "tile_pairs", "split_wide_blocks", "SPLIT_KEYS_FROM",
-           "covers_keys", "disjoint_keys", "is_single_block"]
+           "sent_as_computed", "sums_keys", "is_single_block"]
 
 _NEG, _POS = -(1 << 60), 1 << 60
 
@@ -486,16 +486,20 @@ def split_wide_blocks(calls: tuple[Call, ...] | list[Call]) -> list[Call]:
     return out
 
 
-def covers_keys(call: Call, kv_len: int) -> bool:
-    """Whether ``call`` is one block over all ``kv_len`` key rows (its dK/dV are the whole step's)."""
-    return isinstance(call, BlockCall) and (call.k0, call.k1) == (0, kv_len)
+def sent_as_computed(calls, kv_len: int) -> bool:
+    """Whether a remote step's dK/dV are one kernel call's results as they are: the step is one
+    block over all ``kv_len`` key rows (Note [Gradients sent as computed] in
+    ``seqpar.parallel.ring``)."""
+    return len(calls) == 1 and isinstance(calls[0], BlockCall) and (calls[0].k0, calls[0].k1) == (0, kv_len)
 
 
-def disjoint_keys(calls) -> bool:
-    """Whether the block calls read disjoint key rows (each key's gradient comes from one call)."""
+def sums_keys(calls) -> bool:
+    """Whether some key row's gradient is a sum over several of ``calls`` (segments, or block
+    calls whose key spans overlap), so that dK/dV are summed in the accumulator dtype first."""
+    if any(isinstance(c, SegmentCall) for c in calls):
+        return True
     spans = sorted((c.k0, c.k1) for c in calls)
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-
+    return any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
 
 def is_single_block(calls, q_len: int, kv_len: int) -> bool:
     """Whether ``calls`` are one block of every query row against every key row."""

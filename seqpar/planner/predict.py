@@ -58,7 +58,7 @@ from ..placement import Mask, Placement, imbalance, ring_plan
 from ..placement.cost import StepWork, kernel_flops, kv_bytes, rank_cost, ring_work
 from ..placement.gather import gather_plan
 from ..placement.heads import HeadAssignment, head_assignments
-from ..placement.ring import RingPlan, SegmentCall, covers_keys, disjoint_keys, is_single_block, split_wide_blocks
+from ..placement.ring import RingPlan, is_single_block, sent_as_computed, split_wide_blocks, sums_keys
 from .cost import CostModel, Link
 
 __all__ = ["Shape", "Candidate", "predict"]
@@ -427,7 +427,7 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     L, steps = plan.q_len, plan.steps
 
     def sent_whole(i: int) -> bool:  # a remote step whose one kernel call's results are sent as they are
-        return i > 0 and len(steps[i].calls) == 1 and covers_keys(steps[i].calls[0], steps[i].kv_len)
+        return i > 0 and sent_as_computed(steps[i].calls, steps[i].kv_len)
 
     def kernel_results(i: int) -> int:  # the largest call's dq, dk, dv (remote steps' wide blocks cut in two)
         calls = steps[i].calls if i == 0 or sent_whole(i) else split_wide_blocks(steps[i].calls)
@@ -468,8 +468,7 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
         slot = 0
         if i and not sent_whole(i):
             slot = kv_rows(step.kv_len)
-            calls = split_wide_blocks(step.calls)
-            if e != acc and (any(isinstance(c, SegmentCall) for c in calls) or not disjoint_keys(calls)):
+            if e != acc and sums_keys(split_wide_blocks(step.calls)):
                 slot += 2 * step.kv_len * kv * unit * acc  # summed in fp32 first
         peak = max(peak, accumulators + here + ahead + prev + kernel_out[i] + slot)
         if i:  # after its kernels: the step's K/V freed, its dK/dV sent, this rank's arriving
