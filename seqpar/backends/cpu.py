@@ -297,6 +297,12 @@ def _effective_window(sq: int, sk: int, window: Window) -> Window:
     return left, right
 
 
+def _one_call(sq: int, sk: int, window: Window, alibi: Alibi | None = None) -> bool:
+    """Whether a ``sq x sk`` block with the effective ``window`` is one plain kernel call (full, or
+    causal on a square block); otherwise it runs in tiles (Note [CPU windows])."""
+    return alibi is None and (window == (-1, -1) or (window == (-1, 0) and sq == sk))
+
+
 def _band_tiles(sq: int, sk: int, window: Window, heads: int = 1):
     """``(rows, cols, mask rows/keys bool)`` per tile of rows that see a key (Note [CPU windows]);
     ``heads``: the additive mask has one plane per head (ALiBi), so tiles are that much smaller."""
@@ -378,7 +384,7 @@ class CpuFlashBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor]:
         sq, sk = q.shape[1], k.shape[1]
         window = _effective_window(sq, sk, window)
-        if alibi is None and (window == (-1, -1) or (window == (-1, 0) and sq == sk)):
+        if _one_call(sq, sk, window, alibi):
             return _kernel_forward(q, k, v, window == (-1, 0), scale)
         b, _, h, _ = q.shape
         out, lse = empty_forward(q, (b, h, sq), v.shape[-1])
@@ -397,7 +403,7 @@ class CpuFlashBackend(KernelBackend):
         sq, sk = q.shape[1], k.shape[1]
         window = _effective_window(sq, sk, window)
         lse = lse_for_backward(lse, lse_dtype(q.dtype))
-        if alibi is None and (window == (-1, -1) or (window == (-1, 0) and sq == sk)):
+        if _one_call(sq, sk, window, alibi):
             return _kernel_backward(dout, q, k, v, out, lse, window == (-1, 0), scale)
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
         _band_backward_into(grads, dout, q, k, v, out, lse, scale, window, alibi)
@@ -465,7 +471,7 @@ class CpuFlashBackend(KernelBackend):
         for s_q, l_q, s_k, l_k in plan.direct:
             sl_q, sl_k = slice(s_q, s_q + l_q), slice(s_k, s_k + l_k)
             band = _effective_window(l_q, l_k, window)
-            if not (band == (-1, -1) or (band == (-1, 0) and l_q == l_k)):
+            if not _one_call(l_q, l_k, band):
                 # Tiled: its tiles add into the call's gradients (zeros unless accumulating).
                 _band_backward_into(
                     (dq[None, sl_q], dk[None, sl_k], dv[None, sl_k]), dout[None, sl_q], q[None, sl_q],
