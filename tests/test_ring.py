@@ -401,7 +401,6 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
     }
 
 
-
 def _released_kv_case(seq_len: int) -> dict:
     """One causal ring backward with a spy on its buffers (Note [Step buffers released]): at each
     request for the buffers that receive this rank's own dK/dV, which received K/V buffers live."""

@@ -420,10 +420,9 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
     dq, dk, dv accumulators (a single-block call has none: its kernel's results are the
     gradients), at each kernel the step's K/V, the next step's arriving (and their staging when
-    not contiguous),
-    the previous step's dK/dV in flight both ways, the kernel's results and the step's send slot
-    when its results are not sent as they are; after it, the step's dK/dV sent and this rank's
-    arriving."""
+    not contiguous), the previous step's dK/dV in flight both ways, the kernel's results and the
+    step's send slot when its results are not sent as they are; after it, the step's dK/dV sent
+    and this rank's arriving."""
     L, steps = plan.q_len, plan.steps
 
     def sent_whole(i: int) -> bool:  # a remote step whose one kernel call's results are sent as they are
