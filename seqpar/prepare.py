@@ -58,7 +58,7 @@ from .parallel.ulysses import UlyssesSetup
 from .placement import Mask, MaskSlices, Placement, RingPlan, ring_plan
 from .placement.gather import GatherPlan, gather_plan
 from .placement.sizes import as_int, check_seq_lens
-from .state import ParallelState, require_state
+from .state import ParallelState, RingComm, require_state
 
 __all__ = [
     "Layout", "LAYOUTS", "to_bshd", "DenseOptions", "PreparedCall", "check_dense_options", "prepare_dense",
@@ -81,6 +81,15 @@ def to_bshd(x: Tensor, layout: str) -> Tensor:
 
 def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+_RING_COMM_NAMES = "[" + " / ".join(f"{i} {name}" for i, name in enumerate(get_args(RingComm))) + "]"
+
+
+def _ring_comm_code(state: ParallelState) -> int:
+    """The state's K/V transport as an int of the call signature: the transports order their
+    transfers differently, so ranks that disagree would pair the wrong messages."""
+    return get_args(RingComm).index(state.ring_comm)
 
 
 @dataclass(frozen=True)
@@ -215,7 +224,10 @@ def build_call(
     placement, plan = _cached_plan(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
     if mask.alibi != (alibi is not None):
         raise RuntimeError("seqpar internal error: ALiBi slopes and the mask's alibi flag disagree")
-    ring = RingSetup(state.ring_group, plan, backend, scale, softcap, state.workspace, alibi=alibi)
+    ring = RingSetup(
+        state.ring_group, plan, backend, scale, softcap, state.workspace, alibi=alibi,
+        overlap=state.ring_comm != "p2p_serial",
+    )
     if state.ring_comm == "allgather" and R > 1:
         gather = _cached_gather(seq_lens, free, R, U, state.ring_rank, mask, qb.shape[0] == 1)
         ring = AllGatherSetup(ring, gather)
@@ -384,12 +396,12 @@ def prepare_dense(
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(o.causal), *o.window,
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
-            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), int(state.ring_comm == "allgather"),
+            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), _ring_comm_code(state),
         ]
 
     names = (
         "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, "
-        "seq_len, mask slices hash, ALiBi slopes hash, ring_comm allgather)"
+        f"seq_len, mask slices hash, ALiBi slopes hash, ring_comm {_RING_COMM_NAMES})"
     )
     mask = Mask(o.causal, o.window, o.chunk_size, o.slices, slopes is not None)
     body = S - o.prefix - o.suffix
@@ -457,12 +469,12 @@ def prepare_varlen(
         return [
             *_seq_lens_digest(lens), H, Hkv, D, v.shape[-1], _DTYPE_CODES.get(q.dtype, 0),
             int(causal), *window, -1 if chunk_size is None else chunk_size, int(sinks is not None),
-            _bits(scale), _bits(softcap), int(state.ring_comm == "allgather"),
+            _bits(scale), _bits(softcap), _ring_comm_code(state),
         ]
 
     names = (
         "(seq_lens fingerprint: count, sum, hash x2; H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, "
-        "scale, softcap, ring_comm allgather)"
+        f"scale, softcap, ring_comm {_RING_COMM_NAMES})"
     )
     if collective_checks(state, q.device, lengths_known=True):
         got = _exchange_lengths(T, 0, signature, names, state, q.device, where)

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 Checks = Literal["auto", "always", "never"]
 _CHECKS = ("auto", "always", "never")
-RingComm = Literal["p2p", "allgather"]
-_RING_COMMS = ("p2p", "allgather")
+RingComm = Literal["p2p", "p2p_serial", "allgather"]
+_RING_COMMS = ("p2p", "p2p_serial", "allgather")
 
 __all__ = ["ParallelState", "require_state"]
 
@@ -172,7 +172,10 @@ class ParallelState:
             means ``"always"``.
         ring_comm: how K/V travel over the ring group (``docs/performance.md``, "All-gather K/V vs
             ring p2p"): ``"p2p"`` (default), one hop per ring step overlapping that step's
-            kernels; ``"allgather"``, one all-gather of every row some rank's plan reads (Llama 3
+            kernels; ``"p2p_serial"``, the same hops, each completed before its step's kernels
+            run (the least memory: no K/V or dK/dV of another step alive next to a kernel, at the
+            price of transfers no longer hidden; ``docs/performance.md``, "The serial ring");
+            ``"allgather"``, one all-gather of every row some rank's plan reads (Llama 3
             style: fewer, larger transfers, all of the group's needed K/V held at once) and a
             reduce-scatter of dK/dV in the backward. Same plans, masks and results.
         keep_head_shards: with ``ulysses_size > 1``, whether the forward keeps the head-sharded
@@ -187,7 +190,7 @@ class ParallelState:
         ring_size, ring_rank, ring_group, ulysses_size, ulysses_rank, ulysses_group,
         cp_size, cp_rank, cp_group, dp_size, dp_rank, dp_group. Groups are ``None`` only in a
         process with no process group (then every size is 1 and every rank 0).
-        ring_comm: ``"p2p"`` or ``"allgather"``, as given.
+        ring_comm: ``"p2p"``, ``"p2p_serial"`` or ``"allgather"``, as given.
         keep_head_shards: as given; may be set between calls.
         workspace: where attention calls on this state take their transfer and staging buffers
             (Note [Workspace] in ``seqpar.comm.workspace``): by default fresh per call, nothing
@@ -201,7 +204,7 @@ class ParallelState:
         ValueError: if a size is not a positive int, if ``ring_size * ulysses_size`` does not
             divide the parent group's size, if sizes > 1 are asked for without a process group,
             if this process is not a member of ``group``, if ``ring_comm`` is not one of
-            ``"p2p"``, ``"allgather"``, or if ``keep_head_shards`` is not a bool.
+            ``"p2p"``, ``"p2p_serial"``, ``"allgather"``, or if ``keep_head_shards`` is not a bool.
 
     Every rank of the parent group must construct the state with the same arguments (it creates
     process groups). Example: 8 ranks, ``ParallelState(ring_size=2, ulysses_size=2)`` gives
@@ -476,7 +479,8 @@ class ParallelState:
         if not isinstance(ring_comm, str) or ring_comm not in _RING_COMMS:
             raise ValueError(
                 f"{where}: ring_comm must be one of {list(_RING_COMMS)}, got {ring_comm!r} "
-                '("p2p": K/V hop around the ring; "allgather": one all-gather of the ring group)'
+                '("p2p": K/V hop around the ring, overlapping the kernels; "p2p_serial": the same hops '
+                'without overlap, fewer buffers alive; "allgather": one all-gather of the ring group)'
             )
         self.ring_comm = ring_comm
         self.workspace = Workspace()

@@ -104,7 +104,7 @@ def test_ring_comm_option():
     state = ParallelState(ring_comm="allgather")
     assert state.ring_comm == "allgather" and "ring_comm 'allgather'" in repr(state)
     for bad in ("ring", "all_gather", None, 1):
-        with pytest.raises(ValueError, match=r"ring_comm must be one of \['p2p', 'allgather'\], got"):
+        with pytest.raises(ValueError, match=r"ring_comm must be one of \['p2p', 'p2p_serial', 'allgather'\], got"):
             ParallelState(ring_comm=bad)
     # A one-rank all-gather state runs the plain kernel.
     gen = torch.Generator().manual_seed(0)
@@ -358,7 +358,7 @@ def test_planner_considers_the_all_gather():
     only = plan(4, ring_comm="allgather", **shape)
     assert {c.ring_comm for c in only.candidates} == {"p2p", "allgather"}  # R = 1 has no ring to gather
     assert {c.ring_comm for c in only.candidates if c.ring_size > 1} == {"allgather"}
-    with pytest.raises(ValueError, match=r"ring_comm must be one of \['auto', 'p2p', 'allgather'\], got 'ring'"):
+    with pytest.raises(ValueError, match=r"ring_comm must be one of \['auto', 'p2p', 'p2p_serial', 'allgather'\], got 'ring'"):
         plan(4, ring_comm="ring", **shape)
     with pytest.raises(ValueError, match=r"\(4, 1, 'nccl'\) is not one of"):
         p.candidate(4, 1, "nccl")

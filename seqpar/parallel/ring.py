@@ -37,7 +37,8 @@ output and the three gradients at the backward's peak: the price of overlapping 
 accumulators start as the first kernel result that covers every row (no zero fill), kernel
 results are dropped as soon as they are added, and large unmasked blocks that are not a whole
 step run their backward in two halves of the keys (smaller kernel results). Only q, k, v, out
-and the LSE of the shard are saved for backward.
+and the LSE of the shard are saved for backward. Without overlap (Note [Serial ring]) only the
+step's own K/V and gradients are held.
 
 Note [Gradients sent as computed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -59,6 +60,28 @@ dK/dV, and the swap to the next step's buffers leaves one reference, not two. Ot
 step's K/V lived until the next swap: on the last step of a ring of 2 they sat next to the
 kernel's dK/dV and the receive buffers, which made that moment the layer's peak (4-layer stack,
 2 x 2, H = Hkv = 8, S = 4096, fp32: 27.06 -> 26.57 x-shards per rank, the peak back at a kernel).
+
+Note [Serial ring]
+~~~~~~~~~~~~~~~~~~
+``ParallelState(ring_comm="p2p_serial")`` (``RingSetup.overlap=False``) runs the same plan with
+no transfer in flight next to a kernel::
+
+    forward, step i > 0:   post K/V rows -> dst(i), K/V rows of src(i) <-; wait  ("post", i), ("wait", i)
+                           compute step i's calls                                ("compute", i)
+    backward, step i > 0:  the same K/V exchange, then compute step i            ("compute", i)
+                           post dK/dV -> src(i), own dK/dV <- dst(i); wait;
+                           add them home                                 ("post_grad", i), ("wait_grad", i)
+
+The previous step's K/V buffers are dropped before the next step's are allocated, so next to a
+kernel a rank holds only what it computes with: its shard's tensors, the accumulators, one
+step's K/V and the kernel's results. The overlapped schedule also holds the next step's K/V and
+the previous step's dK/dV both ways, with H == Hkv about four shards of K/V more at the
+backward's peak. The price is time: no transfer hides behind a kernel, so a step lasts its
+compute plus its transfers (the planner prices it so, ``seqpar.plan(ring_comm="p2p_serial")``).
+The messages between two ranks come in another order than the overlapped schedule's, so every
+rank must run the same transport: it is part of the call signature ``checks`` compares. Results
+are bitwise those of ``"p2p"`` (the same kernels, summed in the same order). Measured figures:
+docs/performance.md, "The serial ring".
 """
 
 from __future__ import annotations
@@ -87,7 +110,10 @@ class RingSetup:
         backend, scale, softcap: the kernel and its scalar options;
         alibi: ``[H]`` ALiBi slopes of this rank's query heads (Note [ALiBi blocks]), or None;
         workspace: reused transfer buffers (Note [Workspace]), or None to allocate per call;
-        trace: a list to record the schedule's events in (tests), or None.
+        trace: a list to record the schedule's events in (tests), or None;
+        overlap: ``True``: each step's transfers overlap another step's kernels (Note [Ring
+            schedule]); ``False``: they complete before the step's kernels run and its gradients
+            arrive before the next step starts (Note [Serial ring], ``ring_comm="p2p_serial"``).
     """
 
     group: Group
@@ -98,6 +124,7 @@ class RingSetup:
     workspace: Workspace | None = None
     trace: list | None = None
     alibi: Tensor | None = None
+    overlap: bool = True
 
 
 def _alibi(run: RingSetup, call) -> dict:
@@ -364,6 +391,16 @@ def _post_kv(run: RingSetup, step, k: Tensor, v: Tensor, slot: int):
     return post(run.group, sends, recvs), k_in, v_in
 
 
+def _serial_kv(run: RingSetup, step, k: Tensor, v: Tensor, i: int) -> tuple[Tensor | None, Tensor | None]:
+    """Step ``i``'s K/V without overlap (Note [Serial ring]): its transfers posted and waited
+    for; the staging copy of the rows sent dies on return."""
+    pending, k_in, v_in = _post_kv(run, step, k, v, 0)
+    _record(run, "post", i)
+    pending.wait()
+    _record(run, "wait", i)
+    return k_in, v_in
+
+
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
     extra_v: Tensor | None, run: RingSetup,
@@ -398,7 +435,11 @@ def ring_forward(
     k_cur, v_cur = k, v
     for i, step in enumerate(steps):
         pending = None
-        if i + 1 < len(steps):
+        if not run.overlap:
+            if i:
+                k_cur = v_cur = None  # the previous step's buffers go before this step's arrive
+                k_cur, v_cur = _serial_kv(run, step, k, v, i)
+        elif i + 1 < len(steps):
             pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
             _record(run, "post", i + 1)
         _record(run, "compute", i)
@@ -457,7 +498,11 @@ def ring_backward(
     dextra = None
     for i, step in enumerate(steps):
         pending = None
-        if i + 1 < len(steps):
+        if not run.overlap:
+            if i:
+                k_cur = v_cur = None  # the previous step's buffers go before this step's arrive
+                k_cur, v_cur = _serial_kv(run, step, k, v, i)
+        elif i + 1 < len(steps):
             pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
             _record(run, "post", i + 1)
         _record(run, "compute", i)
@@ -468,7 +513,8 @@ def ring_backward(
             # The gradients of src's rows go back to src in q's dtype (the previous step's may
             # still be in flight).
             send_k, send_v = _remote_grads(
-                run, i % 2, (k, v), step.kv_len, step.calls, dout, q, k_cur, v_cur, out, lse, dq, cache
+                run, i % 2 if run.overlap else 0, (k, v), step.kv_len, step.calls, dout, q, k_cur, v_cur, out,
+                lse, dq, cache,
             )
             # This step's K/V are read for the last time: free their slot before the receive
             # buffers below are allocated (Note [Step buffers released]).
@@ -487,6 +533,10 @@ def ring_backward(
                 recvs = [(step.dst, gk), (step.dst, gv)]
             grads_in = (post(run.group, sends, recvs), gk, gv, step.send_rows)
             _record(run, "post_grad", i)
+            if not run.overlap:  # this step's gradients home before the next step's K/V arrive
+                add_home(grads_in)
+                _record(run, "wait_grad", i)
+                grads_in = sends = recvs = send_k = send_v = gk = gv = None
         if pending is not None:
             pending.wait()
             _record(run, "wait", i + 1)

@@ -20,7 +20,7 @@ __all__ = ["DegreePlan", "plan", "TIE_RTOL"]
 # (measured choices are checked to within 10% in tests/test_planner.py), so 205 ms against 206 ms
 # says nothing about which split is faster.
 TIE_RTOL = 0.02
-RING_COMMS = ("auto", "p2p", "allgather")
+RING_COMMS = ("auto", "p2p", "p2p_serial", "allgather")
 
 
 def _mib(nbytes: float) -> str:
@@ -72,7 +72,8 @@ class DegreePlan:
 
     @property
     def ring_comm(self) -> str:
-        """The chosen K/V transport, ``"p2p"`` or ``"allgather"`` (``ParallelState(ring_comm=...)``)."""
+        """The chosen K/V transport, ``"p2p"``, ``"p2p_serial"`` or ``"allgather"``
+        (``ParallelState(ring_comm=...)``)."""
         return self.chosen.ring_comm
 
     @property
@@ -138,7 +139,8 @@ def _transfers(c: Candidate) -> str:
     if c.ring_comm == "allgather":
         return "in one all-gather (and a reduce-scatter back)"
     steps = c.ring_size - 1
-    return f"over {steps} step{'s' if steps > 1 else ''}"
+    serial = ", each waited for" if c.ring_comm == "p2p_serial" else ""
+    return f"over {steps} step{'s' if steps > 1 else ''}{serial}"
 
 
 def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, cands: list[Candidate],
@@ -183,7 +185,8 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
                 f"its ring adds {_ms(best.parts['ring transfer'])} to the compute against "
                 f"{_ms(runner.parts['ring transfer'])} (the ring sends {_mib(best.ring_bytes)} per rank "
                 f"{_transfers(best)} against {_mib(runner.ring_bytes)} {_transfers(runner)}; "
-                f"{cost.overlap:.0%} of a step's shorter side hidden by overlap)"
+                f"{cost.overlap:.0%} of a step's shorter side hidden by overlap"
+                f"{', none without (p2p_serial)' if 'p2p_serial' in (best.ring_comm, runner.ring_comm) else ''})"
             ),
             "kernels": (
                 f"its kernels take {_ms(best.parts['kernels'])} against {_ms(runner.parts['kernels'])} "
@@ -229,7 +232,8 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
     twin = next((c for c in cands if c is not best and (c.ring_size, c.ulysses_size) ==
                  (best.ring_size, best.ulysses_size)), None)
     if twin is not None:  # the same split with the other K/V transport
-        how = {"p2p": "point-to-point hops overlapping every step", "allgather": "one all-gather of the ring group"}
+        how = {"p2p": "point-to-point hops overlapping every step", "allgather": "one all-gather of the ring group",
+               "p2p_serial": "point-to-point hops overlapping nothing"}
         parts.append(
             f"K/V travel by {how[best.ring_comm]} (ring_comm={best.ring_comm!r}): {_ms(best.time_s)} and "
             f"{_mib(best.memory_bytes)} per rank, against {_ms(twin.time_s)} and {_mib(twin.memory_bytes)} by "
@@ -274,8 +278,11 @@ def plan(
         batch: ``B``, sequences per step.
         cost: a :class:`~seqpar.planner.CostModel` (``seqpar.planner.calibrate`` measures one);
             ``None``: ``CostModel.preset("h100")``.
-        ring_comm: the K/V transports to consider for ``R > 1``: ``"auto"`` both, ``"p2p"`` or
-            ``"allgather"`` one (``ParallelState(ring_comm=...)``; ``docs/performance.md``).
+        ring_comm: the K/V transports to consider for ``R > 1``: ``"auto"`` the two that overlap
+            their transfers, ``"p2p"`` and ``"allgather"``; or one of those or ``"p2p_serial"``
+            (``ParallelState(ring_comm=...)``; ``docs/performance.md``). ``"p2p_serial"``, the
+            least memory, is never faster than ``"p2p"`` (its transfers are all exposed), so only
+            a plan that asks for it considers it.
         keep_head_shards: predict (and build, ``.state()``) with the Ulysses head shards kept for
             the backward (``ParallelState(keep_head_shards=True)``): less all-to-all traffic, the
             shard's q, k, v no longer held, the head shards kept per layer instead.

@@ -102,8 +102,8 @@ class Candidate:
         kv_heads: K/V heads each Ulysses rank receives (``head_assignments``).
         kv_replication: ``sum(kv_heads) / Hkv``: 1.0 when no K/V head is sent to two ranks.
         ulysses_link, ring_link: ``"intra"``, ``"inter"`` (some traffic crosses nodes) or ``"none"``.
-        ring_comm: the K/V transport of the ring, ``"p2p"`` or ``"allgather"`` (Note [All-gather
-            K/V]); ``"p2p"`` when ``R == 1``.
+        ring_comm: the K/V transport of the ring, ``"p2p"``, ``"p2p_serial"`` (Note [Serial ring])
+            or ``"allgather"`` (Note [All-gather K/V]); ``"p2p"`` when ``R == 1``.
         keep_head_shards: predicted with ``ParallelState(keep_head_shards=True)`` (Note [Ulysses
             memory]); ``False`` when ``U == 1``, where it changes nothing.
     """
@@ -130,8 +130,8 @@ class Candidate:
         return sum(1 for h in self.heads if h == 0)
 
     def label(self) -> str:
-        """``"ring R x ulysses U"``, and ``" (all-gather)"`` for the all-gather transport."""
-        comm = " (all-gather)" if self.ring_comm == "allgather" else ""
+        """``"ring R x ulysses U"``, and ``" (all-gather)"`` or ``" (serial)"`` for the other K/V transports."""
+        comm = {"allgather": " (all-gather)", "p2p_serial": " (serial)"}.get(self.ring_comm, "")
         keep = " (head shards kept)" if self.keep_head_shards else ""
         return f"ring {self.ring_size} x ulysses {self.ulysses_size}{comm}{keep}"
 
@@ -266,6 +266,8 @@ def predict(
     kernel_total = elem_total = exposed_total = 0.0
     grad_prev = [0.0] * N  # backward: the previous step's gradient transfer, per rank
     allgather = ring_comm == "allgather" and R > 1
+    serial = ring_comm == "p2p_serial" and R > 1  # every transfer exposed (Note [Serial ring])
+    overlap = 0.0 if serial else cost.overlap
     width = gather_plan(plans, 0).width if allgather else 0
     x_gather = [0.0] * N  # all-gather: one collective of R - 1 parts of `width` rows (ring algorithm)
     for c in range(N) if allgather else ():
@@ -325,8 +327,8 @@ def predict(
         if allgather:  # the gather overlaps step 0 only; later steps wait for nothing
             x_f = x_b = max(x_gather) if i == 0 else 0.0
             fixed = cost.ring_step_s if i == 0 else 0.0
-        step_f = _overlapped(c_f, x_f, cost.overlap) + fixed
-        step_b = _overlapped(c_b, x_b, cost.overlap) + fixed
+        step_f = _overlapped(c_f, x_f, overlap) + fixed
+        step_b = _overlapped(c_b, x_b, overlap) + fixed
         fwd_total += step_f
         bwd_total += step_b
         exposed_total += step_f - c_f + step_b - c_b
@@ -356,21 +358,21 @@ def predict(
         },
         ulysses_bytes=max(a2a_bytes),
         ring_bytes=max(ring_bytes),
-        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None, keep),
+        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None, keep, serial),
         imbalance=imbalance(work),
         heads=tuple(h),
         kv_heads=tuple(a.kv_len for a in heads),
         kv_replication=sum(a.kv_len for a in heads) / Hkv,
         ulysses_link="none" if U == 1 else ("inter" if a2a_inter else "intra"),
         ring_link="none" if R == 1 else ("inter" if ring_inter else "intra"),
-        ring_comm="allgather" if allgather else "p2p",
+        ring_comm="allgather" if allgather else "p2p_serial" if serial else "p2p",
         keep_head_shards=keep,
     )
 
 
 def _memory(
     shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], heads: list[HeadAssignment], acc: int,
-    gather_width: int | None = None, keep_head_shards: bool = False,
+    gather_width: int | None = None, keep_head_shards: bool = False, serial: bool = False,
 ) -> int:
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
@@ -379,7 +381,8 @@ def _memory(
     q, k, v, out, dout and the staging copy of the one tensor in flight), the ring backward (the
     head-sharded inputs and :func:`_ring_peak`), and the way back (the head-sharded gradients,
     the staging of one of them, and the shard's dq, dk, dv). ``gather_width``: the all-gather
-    transport's slot rows (Note [All-gather K/V]), whose buffers replace the ring's step buffers.
+    transport's slot rows (Note [All-gather K/V]), whose buffers replace the ring's step buffers;
+    ``serial``: the ring without overlap (Note [Serial ring]).
     """
     R, U = placement.ring_size, placement.ulysses_size
     H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
@@ -395,7 +398,7 @@ def _memory(
             held = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
             held += B * L * h * 4  # the forward's log-sum-exps (fp32), this rank's heads
             grads = local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
-            ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width) if h else 0
+            ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial) if h else 0
             if U > 1:
                 inputs = L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
                 at_kernel = inputs
@@ -414,7 +417,7 @@ def _memory(
 
 
 def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, acc: int,
-               gather_width: int | None) -> int:
+               gather_width: int | None, serial: bool = False) -> int:
     """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
     of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
@@ -422,7 +425,8 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     gradients), at each kernel the step's K/V, the next step's arriving (and their staging when
     not contiguous), the previous step's dK/dV in flight both ways, the kernel's results and the
     step's send slot when its results are not sent as they are; after it, the step's dK/dV sent
-    and this rank's arriving."""
+    and this rank's arriving. ``serial`` (Note [Serial ring]): no next step's K/V and no previous
+    step's dK/dV, but the step's own K/V arriving next to the staging of the rows it sends."""
     L, steps = plan.q_len, plan.steps
 
     def sent_whole(i: int) -> bool:  # a remote step whose one kernel call's results are sent as they are
@@ -461,8 +465,13 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     peak = 0
     for i, step in enumerate(steps):
         nxt = steps[i + 1] if i + 1 < len(steps) else None
-        ahead = (kv_rows(nxt.kv_len) if nxt.recv_rows else 0) + staged(nxt) if nxt else 0
-        prev = kv_rows(steps[i - 1].kv_len) + kv_rows(sent_rows(steps[i - 1])) if i >= 2 else 0
+        if serial:  # nothing of another step: this one's K/V arrive while its own rows are sent
+            ahead = prev = 0
+            if i and step.recv_rows:
+                peak = max(peak, accumulators + kv_rows(step.kv_len) + staged(step))
+        else:
+            ahead = (kv_rows(nxt.kv_len) if nxt.recv_rows else 0) + staged(nxt) if nxt else 0
+            prev = kv_rows(steps[i - 1].kv_len) + kv_rows(sent_rows(steps[i - 1])) if i >= 2 else 0
         here = kv_rows(step.kv_len) if i else 0
         slot = 0
         if i and not sent_whole(i):
