@@ -16,10 +16,11 @@ and mask the script reports:
   kernel), peak memory per rank, and the ring's kernel efficiency: one equal-FLOP non-causal
   kernel call against the ring's kernel calls, in the ring and replayed alone.
 
-``--ring-comm p2p,allgather`` times both K/V transports of the ring (``ParallelState(ring_comm=...)``,
-``docs/performance.md``: "All-gather K/V vs ring p2p") on every configuration with ``R > 1``, in one
-run, on the same tensors, iterations interleaved, with peak memory per rank and the workspace each
-state holds between calls, and prints all-gather/p2p ratios of time, memory and bytes.
+``--ring-comm p2p,allgather`` (or ``p2p,p2p_serial``, or all three) times those K/V transports of
+the ring (``ParallelState(ring_comm=...)``, ``docs/performance.md``: "All-gather K/V vs ring p2p",
+"The serial ring") on every configuration with ``R > 1``, in one run, on the same tensors,
+iterations interleaved, with peak memory per rank and the workspace each state holds between
+calls, and prints each other transport's ratios to p2p of time, memory and bytes.
 
 ``--window W`` compares, in one run and on the same tensors, full causal attention with causal
 sliding-window attention (window ``(W, 0)``: query ``i`` sees keys ``i-W .. i``), and prints
@@ -95,6 +96,8 @@ from seqpar.tools.profiling import (
     median_seconds,
 )
 from seqpar.tools.report import Panel, add_output_arguments, chart_panels, emit, progress, script_parser, table
+
+_TRANSPORTS = ("p2p", "p2p_serial", "allgather")  # ParallelState(ring_comm=...)
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)
@@ -447,10 +450,10 @@ def _summarise(p: dict, single: list[dict] | None, per_rank: list[list[dict]], c
                 entry[key + "_per_rank"] = [r[key] for r in rows]
         entries.append(entry)
     report = {"problem": p, "world": world, "single_device": single, "configs": entries}
-    if "allgather" in p["ring_comms"] and len(p["ring_comms"]) > 1:
-        report["allgather_vs_p2p"] = [
+    if "p2p" in p["ring_comms"] and len(p["ring_comms"]) > 1:
+        report["transport_vs_p2p"] = [
             _comm_ratios(e, a) for e in entries for a in entries
-            if e["ring_comm"] == "p2p" and a["ring_comm"] == "allgather"
+            if e["ring_comm"] == "p2p" and a["ring_comm"] != "p2p"
             and (e["config"], e["mask"]) == (a["config"], a["mask"])
         ]
     if p["window"] is not None or p.get("frames") is not None:
@@ -468,16 +471,17 @@ def _held(entry: dict) -> int | None:
     return max(a + b for a, b in zip(entry["peak_bytes_per_rank"], entry["workspace_bytes_per_rank"]))
 
 
-def _comm_ratios(p2p: dict, gathered: dict) -> dict:
-    """all-gather/p2p figures of one configuration and mask (same tensors, interleaved iterations)."""
-    pp, pg = p2p["plan"], gathered["plan"]
+def _comm_ratios(p2p: dict, other: dict) -> dict:
+    """Another transport's figures over p2p's, one configuration and mask (same tensors,
+    interleaved iterations)."""
+    pp, po = p2p["plan"], other["plan"]
     return {
         "config": p2p["config"], "ring": p2p["ring"], "ulysses": p2p["ulysses"], "mask": p2p["mask"],
-        "time_ms_p2p": p2p["time_ms"], "time_ms_allgather": gathered["time_ms"],
-        "time_ratio": _ratio(gathered["time_ms"], p2p["time_ms"]),
-        "held_bytes_p2p": _held(p2p), "held_bytes_allgather": _held(gathered),
-        "memory_ratio": _ratio(_held(gathered), _held(p2p)),
-        "ring_bytes_fwd_bwd_ratio_max_rank": _ratio(pg["ring_bytes_fwd_bwd_max"], pp["ring_bytes_fwd_bwd_max"]),
+        "transport": other["ring_comm"], "time_ms_p2p": p2p["time_ms"], "time_ms_other": other["time_ms"],
+        "time_ratio": _ratio(other["time_ms"], p2p["time_ms"]),
+        "held_bytes_p2p": _held(p2p), "held_bytes_other": _held(other),
+        "memory_ratio": _ratio(_held(other), _held(p2p)),
+        "ring_bytes_fwd_bwd_ratio_max_rank": _ratio(po["ring_bytes_fwd_bwd_max"], pp["ring_bytes_fwd_bwd_max"]),
     }
 
 
@@ -565,17 +569,17 @@ def _text(report: dict) -> str:
     if p["efficiency"]:
         parts.append("kernel eff = one equal-FLOP non-causal kernel call / the ring's kernel calls (min-max over "
                      "ranks); replay eff = the same with the ring's calls replayed outside the ring")
-    if report.get("allgather_vs_p2p"):
-        ccols = ["config", "R x U", "mask", "p2p ms", "allgather ms", "time ag/p2p", "held MiB p2p",
-                 "held MiB ag", "memory ag/p2p", "ring bytes ag/p2p"]
+    if report.get("transport_vs_p2p"):
+        ccols = ["config", "R x U", "mask", "transport", "p2p ms", "other ms", "time other/p2p", "held MiB p2p",
+                 "held MiB other", "memory other/p2p", "ring bytes other/p2p"]
         crows = [[
-            r["config"], f"{r['ring']} x {r['ulysses']}", r["mask"], _fmt(r["time_ms_p2p"], ".1f"),
-            _fmt(r["time_ms_allgather"], ".1f"), _fmt(r["time_ratio"]),
+            r["config"], f"{r['ring']} x {r['ulysses']}", r["mask"], r["transport"], _fmt(r["time_ms_p2p"], ".1f"),
+            _fmt(r["time_ms_other"], ".1f"), _fmt(r["time_ratio"]),
             _fmt(r["held_bytes_p2p"] and r["held_bytes_p2p"] * mib, ".1f"),
-            _fmt(r["held_bytes_allgather"] and r["held_bytes_allgather"] * mib, ".1f"), _fmt(r["memory_ratio"]),
+            _fmt(r["held_bytes_other"] and r["held_bytes_other"] * mib, ".1f"), _fmt(r["memory_ratio"]),
             _fmt(r["ring_bytes_fwd_bwd_ratio_max_rank"]),
-        ] for r in report["allgather_vs_p2p"]]
-        parts += ["", "all-gather K/V / ring p2p, same tensors, iterations interleaved (held = peak of one "
+        ] for r in report["transport_vs_p2p"]]
+        parts += ["", "another K/V transport / ring p2p, same tensors, iterations interleaved (held = peak of one "
                   "fwd+bwd + the workspace the state keeps; max rank):", table(ccols, crows)]
     if report.get("window_vs_full"):
         wcols = ["config", "R x U", "FLOPs w/f", "pairs w/f (all)", "KV bytes w/f", "posted w/f", "KV bytes w/f (all)",
@@ -617,8 +621,8 @@ def main() -> None:
                              "frame b sees frames <= b) with full causal attention")
     parser.add_argument("--backend", default="auto", help="attention backend")
     parser.add_argument("--ring-comm", default="p2p", metavar="COMMS",
-                        help="K/V transports of the ring, comma-separated: p2p, allgather or p2p,allgather "
-                             "(both timed in one run, interleaved; default: p2p)")
+                        help="K/V transports of the ring, comma-separated, of p2p, p2p_serial and allgather "
+                             "(e.g. p2p,allgather: all timed in one run, interleaved; default: p2p)")
     parser.add_argument("--iters", type=int, default=3,
                         help="timed forward+backward iterations; the median is reported")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations before timing")
@@ -644,8 +648,8 @@ def main() -> None:
     if args.iters < 1:
         raise SystemExit(f"--iters must be >= 1, got {args.iters}")
     ring_comms = [c.strip() for c in args.ring_comm.split(",") if c.strip()]
-    if not ring_comms or any(c not in ("p2p", "allgather") for c in ring_comms) or len(set(ring_comms)) < len(ring_comms):
-        raise SystemExit(f"--ring-comm must list p2p and/or allgather once each, got {args.ring_comm!r}")
+    if not ring_comms or any(c not in _TRANSPORTS for c in ring_comms) or len(set(ring_comms)) < len(ring_comms):
+        raise SystemExit(f"--ring-comm must list some of {', '.join(_TRANSPORTS)}, each once, got {args.ring_comm!r}")
     if args.frames is not None and (args.frames < 2 or args.frames > args.seq_len or args.window is not None):
         raise SystemExit(f"--frames must be in [2, --seq-len] and without --window, got {args.frames}")
     compare = args.window is not None or args.frames is not None
@@ -713,7 +717,7 @@ def _chart(report: dict) -> tuple[str, list[str], list[Panel]]:
                 [f"{w['config']} {w['ring']} x {w['ulysses']}" for w in rows],
                 [Panel("window / full causal (lower is better; 1.0 = no saving)", series)])
     configs = report["configs"]
-    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" + (" allgather" if c.get("ring_comm") == "allgather" else "")
+    labels = [f"{c['config']} {c['ring']} x {c['ulysses']}" + ("" if c.get("ring_comm", "p2p") == "p2p" else f" {c['ring_comm']}")
               for c in configs]
     panels = []
     if report["single_device"] is not None:

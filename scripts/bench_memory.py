@@ -26,6 +26,7 @@ a perfect ``1/N`` share. The ranks share the machine's cores; memory does not de
     python scripts/bench_memory.py --world 8 --configs 8x1,1x8,2x4,4x2 --kv-heads 2
     python scripts/bench_memory.py --keep                # a kept arena (Workspace(keep=True))
     python scripts/bench_memory.py --keep-head-shards    # ParallelState(keep_head_shards=True)
+    python scripts/bench_memory.py --ring-comm p2p_serial  # the ring without overlap
     python scripts/bench_memory.py --seq-len 1024 --plot memory.png
 
 Output: the table and notes, then the whole report as one JSON line (last line); ``--json PATH``
@@ -187,7 +188,7 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool)
         return run
 
     def fresh_state():
-        state = seqpar.ParallelState(R, U, keep_head_shards=args.keep_head_shards)
+        state = seqpar.ParallelState(R, U, keep_head_shards=args.keep_head_shards, ring_comm=args.ring_comm)
         if args.keep:
             state.workspace = Workspace(keep=True)
         return state
@@ -222,6 +223,8 @@ def main() -> None:
                         "instead of fresh buffers per call")
     parser.add_argument("--keep-head-shards", action="store_true",
                         help="ParallelState(keep_head_shards=True): Ulysses keeps its head shards for the backward")
+    parser.add_argument("--ring-comm", default="p2p", choices=("p2p", "p2p_serial", "allgather"),
+                        help="ParallelState(ring_comm=...): the ring's K/V transport")
     add_output_arguments(parser, "total x (everything counted) per configuration, single call and stack")
     args = parser.parse_args()
     n = args.world
@@ -257,7 +260,7 @@ def main() -> None:
     what = (f"S={args.seq_len} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype} "
             f"{'causal' if args.causal else 'non-causal'}, packed = 3 sequences, stack = {args.layers} layers, "
             f"workspace {'kept (arena)' if args.keep else 'per call'}"
-            f"{', Ulysses head shards kept' if args.keep_head_shards else ''}")
+            f"{', Ulysses head shards kept' if args.keep_head_shards else ''}, ring_comm {args.ring_comm}")
     text = (
         f"attention memory per rank x {n} / one device (ideal 1.0), everything counted; {what}\n"
         + table(["config", "layout", "workload", "ideal MiB", "first MiB", "later MiB", "kept MiB", "later x",
