@@ -95,6 +95,9 @@ def main() -> None:
                         help="checkpointed layer inputs in pinned host memory (CUDA only; default: off)")
     parser.add_argument("--keep-head-shards", action="store_true",
                         help="ParallelState(keep_head_shards=True): Ulysses keeps the head shards (U > 1)")
+    parser.add_argument("--ring-comm", default="p2p", choices=("p2p", "p2p_serial"),
+                        help="ParallelState(ring_comm=...): the ring with or without overlap (R > 1); the "
+                             "memory model counts the overlapped ring's buffers either way (an upper estimate)")
     parser.add_argument("--storage-tracker", action="store_true",
                         help="CPU: measure the peak of tensor storage (StorageTracker, a dispatch mode: no kernel "
                              "scratch, gradients summed out of place) instead of the CPU allocator's")
@@ -118,7 +121,7 @@ def main() -> None:
         if any(t < 1 for t in checks):
             raise ValueError(f"--check-lengths needs positive token counts, got {args.check_lengths!r}")
         config = StackConfig(**stack_arguments(args), cp_rank=args.cp_rank, mlp_chunks=args.mlp_chunks, loss_chunk=args.loss_chunk, train_embeddings=args.train_embeddings,
-                             offload=args.offload, keep_head_shards=args.keep_head_shards)
+                             offload=args.offload, keep_head_shards=args.keep_head_shards, ring_comm=args.ring_comm)
         if args.budget_gib <= 0:
             raise ValueError(f"--budget-gib must be positive, got {args.budget_gib}")
         if args.reserve_mib < 0:

@@ -39,11 +39,14 @@ def test_build_stack_steps_and_accumulates():
         finally:
             run.close()
     with fake_world(4, 1, torch.device("cpu")):
-        run = build_stack(StackConfig(ring=2, ulysses=2, cp_rank=1, **TINY), 21)  # S = 84: rank 1 holds 21
+        run = build_stack(StackConfig(ring=2, ulysses=2, cp_rank=1, ring_comm="p2p_serial", **TINY), 21)
+        assert run._state.ring_comm == "p2p_serial"
         run.close()
-        assert (run.local_tokens, run.seq_len) == (21, 84)
+        assert (run.local_tokens, run.seq_len) == (21, 84)  # S = 84: rank 1 holds 21
     with pytest.raises(ValueError, match="local_tokens must be a positive int, got 0"):
         build_stack(config, 0)
+    with pytest.raises(ValueError, match="ring_comm='allgather'; valid: 'p2p', 'p2p_serial'"):
+        StackConfig(ring_comm="allgather", **TINY)
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:

@@ -69,6 +69,8 @@ class StackConfig:
         train_embeddings: whether the embedding and lm-head weights take gradients.
         offload: keep the checkpointed layer inputs in host memory (CUDA only).
         keep_head_shards: ``ParallelState(keep_head_shards=True)`` (Note [Ulysses memory]).
+        ring_comm: ``ParallelState(ring_comm=...)``, ``"p2p"`` or ``"p2p_serial"`` (Note [Serial
+            ring]; the all-gather transport is not modelled by the memory model).
         seed: of the weights and inputs.
     """
 
@@ -89,6 +91,7 @@ class StackConfig:
     train_embeddings: bool = False
     offload: bool = False
     keep_head_shards: bool = False
+    ring_comm: str = "p2p"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,6 +112,9 @@ class StackConfig:
             raise ValueError(f"{where}: device={self.device!r}; valid: 'cpu', 'cuda'")
         if not isinstance(self.keep_head_shards, bool):
             raise ValueError(f"{where}: keep_head_shards must be True or False, got {self.keep_head_shards!r}")
+        if self.ring_comm not in ("p2p", "p2p_serial"):
+            raise ValueError(f"{where}: ring_comm={self.ring_comm!r}; valid: 'p2p', 'p2p_serial' (the memory "
+                             "model does not model the all-gather transport)")
         if self.offload and self.device != "cuda":
             raise ValueError(f"{where}: offload=True moves activations from a CUDA device to the host; on the "
                              "CPU the host is the device (use device='cuda', or offload=False)")
@@ -269,7 +275,8 @@ def build_stack(config: StackConfig, local_tokens: int) -> StackRun:
     device = c.torch_device
     seq_len = local_tokens * c.ring * c.ulysses
     n = Placement.dense(seq_len, c.ring, c.ulysses).shard_lengths[c.cp_rank]
-    state = ParallelState(c.ring, c.ulysses, checks="never", keep_head_shards=c.keep_head_shards)
+    state = ParallelState(c.ring, c.ulysses, checks="never", keep_head_shards=c.keep_head_shards,
+                          ring_comm=c.ring_comm)
     try:
         torch.manual_seed(c.seed)
         with torch.device(device):
