@@ -230,9 +230,13 @@ def test_planner_prices_the_serial_ring(pools):
     for rank_rows in zip(*pools(4).run(_rank_memory, 2048, 8, 8, 32)):
         label, est, peak, time, est_serial, peak_serial, time_serial = max(rank_rows, key=lambda r: r[2])
         measured = max(r[2] for r in rank_rows), max(r[5] for r in rank_rows)
-        assert measured[1] < measured[0], (label, measured)  # the serial ring holds less
-        assert 0.95 <= est_serial / measured[1] <= 1.1, (label, est_serial, measured[1])
-        assert est_serial < est and time_serial > time, (label, est, est_serial, time, time_serial)
+        for estimate, peak in zip((est, est_serial), measured):
+            assert 0.95 <= estimate / peak <= 1.1, (label, estimate, peak)
+        if label == "4x1":  # the serial ring holds less, and the estimate knows it
+            assert measured[1] < 0.9 * measured[0] and est_serial < 0.9 * est, (label, measured, est, est_serial)
+        else:  # a ring of 2: no other step's buffers next to its one remote step either way
+            assert measured[1] <= measured[0] and est_serial <= est, (label, measured, est, est_serial)
+        assert time_serial > time, (label, time, time_serial)
 
 
 def test_plan_considers_the_serial_ring_only_when_asked():

@@ -416,13 +416,23 @@ def _memory(
     return worst
 
 
+def _results(call, h: int, kv: int, unit: int, e: int) -> int:
+    """Bytes of one block call's dq, dk, dv (``h`` query and ``kv`` K/V heads, ``unit`` elements a row)."""
+    return ((call.q1 - call.q0) * h + 2 * (call.k1 - call.k0) * kv) * unit * e
+
+
+def _covers(call, q_len: int, kv_len: int) -> bool:
+    """Whether a block call reads every query row and every key row of its step."""
+    return (call.q0, call.q1, call.k0, call.k1) == (0, q_len, 0, kv_len)
+
+
 def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, acc: int,
                gather_width: int | None, serial: bool = False) -> int:
     """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
     of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
     dq, dk, dv accumulators (a single-block call has none: its kernel's results are the
-    gradients), at each kernel the step's K/V, the next step's arriving (and their staging when
+    gradients; the first result of step 0 that covers every row becomes them), at each kernel the step's K/V, the next step's arriving (and their staging when
     not contiguous), the previous step's dK/dV in flight both ways, the kernel's results and the
     step's send slot when its results are not sent as they are; after it, the step's dK/dV sent
     and this rank's arriving. ``serial`` (Note [Serial ring]): no next step's K/V and no previous
@@ -434,7 +444,7 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
 
     def kernel_results(i: int) -> int:  # the largest call's dq, dk, dv (remote steps' wide blocks cut in two)
         calls = steps[i].calls if i == 0 or sent_whole(i) else split_wide_blocks(steps[i].calls)
-        return max((((c.q1 - c.q0) * h + 2 * (c.k1 - c.k0) * kv) * unit * e for c in calls), default=0)
+        return max((_results(c, h, kv, unit, e) for c in calls), default=0)
 
     kernel_out = [kernel_results(i) for i in range(len(steps))]
     if len(steps) == 1 and is_single_block(steps[0].calls, L, L):
@@ -478,7 +488,13 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
             slot = kv_rows(step.kv_len)
             if e != acc and sums_keys(split_wide_blocks(step.calls)):
                 slot += 2 * step.kv_len * kv * unit * acc  # summed in fp32 first
-        peak = max(peak, accumulators + here + ahead + prev + kernel_out[i] + slot)
+        at_kernel = accumulators + kernel_out[i]
+        if i == 0 and _covers(step.calls[0], L, step.kv_len):
+            # The first result that covers every row becomes the accumulators (a copy in a wider
+            # accumulator dtype); the step's later calls add into them.
+            later = max((_results(c, h, kv, unit, e) for c in step.calls[1:]), default=0)
+            at_kernel = max(kernel_out[0] + (accumulators if e != acc else 0), accumulators + later if later else 0)
+        peak = max(peak, at_kernel + here + ahead + prev + slot)
         if i:  # after its kernels: the step's K/V freed, its dK/dV sent, this rank's arriving
             peak = max(peak, accumulators + ahead + prev + kv_rows(step.kv_len) + kv_rows(sent_rows(step)))
     return peak
