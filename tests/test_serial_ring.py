@@ -241,6 +241,7 @@ def test_planner_prices_the_serial_ring(pools):
 
 def test_plan_considers_the_serial_ring_only_when_asked():
     from seqpar.planner import CostModel, plan
+    from seqpar.planner.choose import _mib
 
     shape = dict(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=64, dtype=torch.float32, cost=CostModel.preset("cpu"))
     auto = plan(4, **shape)
@@ -257,3 +258,10 @@ def test_plan_considers_the_serial_ring_only_when_asked():
     # Ulysses wins this one by the ring's transfers, which the explanation says none hides.
     explained = plan(4, ring_comm="p2p_serial", ranks_per_node=4, **{**shape, "seq_len": 8192}).explanation
     assert "over 1 step, each waited for" in explained and "none without (p2p_serial)" in explained, explained
+    # A plan that chooses the overlapped ring names what the same split holds without overlap.
+    chosen = plan(8, seq_len=262144, num_heads=32, num_kv_heads=32, head_dim=128, ranks_per_node=1)
+    serial_twin = plan(8, seq_len=262144, num_heads=32, num_kv_heads=32, head_dim=128, ranks_per_node=1,
+                       ring_comm="p2p_serial").candidate(chosen.ring_size, chosen.ulysses_size)
+    assert chosen.ring_comm == "p2p" and chosen.ring_size > 1, chosen
+    assert (f"Without overlap (ring_comm='p2p_serial') {chosen.chosen.label()} would hold "
+            f"{_mib(serial_twin.memory_bytes)} per rank instead of {_mib(chosen.chosen.memory_bytes)}") in chosen.explanation

@@ -144,7 +144,9 @@ def _transfers(c: Candidate) -> str:
 
 
 def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, cands: list[Candidate],
-             best: Candidate) -> str:
+             best: Candidate, serial: Candidate | None = None) -> str:
+    """The plan's paragraph; ``serial``: the chosen p2p split predicted without overlap (Note
+    [Serial ring]), named when it holds markedly less."""
     S, H, Hkv, D = shape.seq_len, shape.num_heads, shape.num_kv_heads, shape.head_dim
     mask = Mask(shape.causal, shape.window).describe()
     what = f"S={S}, H={H}, Hkv={Hkv}, D={D}, batch {shape.batch}, {mask}, {shape.element_size}-byte elements"
@@ -228,6 +230,12 @@ def _explain(shape: Shape, cp_size: int, ranks_per_node: int, cost: CostModel, c
         parts.append(
             f"If memory is tight, {lightest.label()} holds {_mib(lightest.memory_bytes)} per rank against "
             f"{_mib(best.memory_bytes)}."
+        )
+    if serial is not None and serial.memory_bytes < 0.95 * best.memory_bytes:
+        parts.append(
+            f"Without overlap (ring_comm='p2p_serial') {best.label()} would hold {_mib(serial.memory_bytes)} per "
+            f"rank instead of {_mib(best.memory_bytes)}, at a predicted {_ms(serial.time_s)} against "
+            f"{_ms(best.time_s)}."
         )
     twin = next((c for c in cands if c is not best and (c.ring_size, c.ulysses_size) ==
                  (best.ring_size, best.ulysses_size)), None)
@@ -331,8 +339,11 @@ def plan(
         for comm in (comms if r > 1 else ("p2p",))
     ]
     best = min(cands, key=lambda c: (c.time_s, c.memory_bytes))
+    serial = None
+    if best.ring_size > 1 and best.ring_comm == "p2p":  # what the same split holds without overlap
+        serial = predict(shape, best.ring_size, best.ulysses_size, ranks_per_node, cost, "p2p_serial", keep_head_shards)
     return DegreePlan(
         cp_size, ranks_per_node, shape, cost, tuple(cands), best,
-        _explain(shape, cp_size, ranks_per_node, cost, cands, best),
+        _explain(shape, cp_size, ranks_per_node, cost, cands, best, serial),
     )
 
