@@ -350,3 +350,58 @@ def test_received_kv_heads_freed_once_expanded(pools, world, h, hkv):
         assert r["err"] < 1e-10, (rank, r)
         if r["expanded"]:
             assert r["expanded"] == 2 and r["alive_at_kernel"] and not any(r["alive_at_kernel"]), (rank, r)
+
+
+def _own_kv_case(comm: str, keep: bool) -> dict:
+    """One 2 x 2 call (a ring of 2 around Ulysses 2) with spies: at each backward kernel, whether
+    the K/V head shards the backward handed to the ring are still alive; and the error to float64."""
+    import weakref
+
+    import seqpar.backends.cpu as cpu_mod
+    import seqpar.parallel.allgather as ag_mod
+    from seqpar.backends.reference import reference_attention
+
+    state = ParallelState(ring_size=2, ulysses_size=2, ring_comm=comm, keep_head_shards=keep)
+    gen = torch.Generator().manual_seed(4)
+    q, dout = (torch.randn(1, 37, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 37, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, causal=True)
+    ref.backward(dout)
+    local = [shard(t, state).requires_grad_() for t in (q, k, v)]
+    out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=37)
+
+    own, alive_at_kernel = [], []
+    ring_backward, kernel_backward = ag_mod.ring_backward, cpu_mod._kernel_backward
+
+    def spy_ring(*args, **kwargs):
+        handed = args[10] if len(args) > 10 else kwargs.get("handed")
+        own.extend(weakref.ref(t) for t in (handed if handed is not None else args[2:4]))
+        return ring_backward(*args, **kwargs)
+
+    def spy_kernel(*args, **kwargs):
+        alive_at_kernel.append(sum(r() is not None for r in own))
+        return kernel_backward(*args, **kwargs)
+
+    ag_mod.ring_backward, cpu_mod._kernel_backward = spy_ring, spy_kernel
+    try:
+        out.backward(shard(dout, state))
+    finally:
+        ag_mod.ring_backward, cpu_mod._kernel_backward = ring_backward, kernel_backward
+    want = [shard(t, state) for t in (ref.detach(), *(t.grad for t in leaves))]
+    got = [out.detach(), *(t.grad for t in local)]
+    state.close()
+    return {"alive_at_kernel": alive_at_kernel, "err": max((a - b).abs().max().item() for a, b in zip(got, want))}
+
+
+@pytest.mark.parametrize("comm", ["p2p", "p2p_serial"])
+def test_own_kv_head_shards_freed_before_the_last_ring_step(pools, comm):
+    # Note [Own K/V released]: the head shards of k, v the backward received are read by the ring's
+    # step 0 and sent to the other ring rank; the last step's kernels run without them. With
+    # keep_head_shards autograd holds them (saved by the forward), so they stay alive throughout.
+    for keep in (False, True):
+        for rank, r in enumerate(pools(4).run(_own_kv_case, comm, keep)):
+            alive = r["alive_at_kernel"]
+            assert r["err"] < 1e-10 and len(alive) >= 2, (rank, keep, r)
+            assert alive[0] == 2, (rank, keep, r)  # step 0 reads them
+            assert alive[-1] == (2 if keep else 0), (rank, keep, r)  # the remote step

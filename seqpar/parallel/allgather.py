@@ -83,13 +83,18 @@ def kv_forward(
 
 
 def kv_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
+    dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, extra_k: Tensor | None,
     extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup | AllGatherSetup,
+    handed: list[Tensor] | None = None,
 ) -> tuple[Tensor | None, ...]:
-    """:func:`~seqpar.parallel.ring.ring_backward` or :func:`allgather_backward`, by ``run``'s type."""
+    """:func:`~seqpar.parallel.ring.ring_backward` or :func:`allgather_backward`, by ``run``'s type;
+    ``handed``: ``[k, v]`` instead of ``k, v``, for the p2p ring to free once sent (Note [Own K/V
+    released]; the all-gather holds them to the end)."""
     if isinstance(run, AllGatherSetup):
+        if handed is not None:
+            k, v = handed
         return allgather_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, run)
-    return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, run)
+    return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, run, handed)
 
 
 def _local_only(run: AllGatherSetup) -> bool:

@@ -61,6 +61,18 @@ step's K/V lived until the next swap: on the last step of a ring of 2 they sat n
 kernel's dK/dV and the receive buffers, which made that moment the layer's peak (4-layer stack,
 2 x 2, H = Hkv = 8, S = 4096, fp32: 27.06 -> 26.57 x-shards per rank, the peak back at a kernel).
 
+Note [Own K/V released]
+~~~~~~~~~~~~~~~~~~~~~~~
+A rank's own K/V are read by step 0's kernels and by the transfers that send its rows; once the
+last of those has completed (the K/V of the last step have arrived, so every send before them is
+done) nothing reads them. Under Ulysses they are the head shards the backward itself received,
+so ``ulysses_ring_backward`` hands them over (``handed=[k_u, v_u]``, holding no other reference)
+and the ring empties the list there: they are freed before the remaining steps' kernels. On a
+ring of 2 that is the one remote step, the layer's peak with H == Hkv (4-layer stack, 2 x 2,
+H = Hkv = 8, S = 4096, fp32: 26.57 -> 24.57 x-shards per rank, docs/performance.md). What
+outlives them -- their shapes and dtypes, for the gradients -- is kept in storage-less tensors.
+Ring-only calls read the token shards autograd saved, which stay alive anyway.
+
 Note [Serial ring]
 ~~~~~~~~~~~~~~~~~~
 ``ParallelState(ring_comm="p2p_serial")`` (``RingSetup.overlap=False``) runs the same plan with
@@ -456,8 +468,8 @@ def ring_forward(
 
 
 def ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup,
+    dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, extra_k: Tensor | None,
+    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup, handed: list[Tensor] | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Ring attention backward (see Note [Ring schedule]); no autograd.
 
@@ -465,12 +477,18 @@ def ring_backward(
     its kernel results, rounded once); every rank sums what it receives for its own rows in the
     accumulator dtype.
 
+    ``handed``: instead of ``k, v`` (None then), the list ``[k, v]`` of a caller that holds no
+    other reference to them; the backward empties it once their last transfer has completed, so
+    that they are freed before the remaining steps' kernels (Note [Own K/V released]).
+
     Returns:
         ``dq, dk, dv, dsinks, dextra_k, dextra_v`` (None where the input is None); ``dk``/``dv``
         are the gradients of this rank's own K/V summed over every rank's queries.
     """
     steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
+    if handed is not None:
+        k, v = handed
     if _single_block(run, q, k, extra_k):
         call = steps[0].calls[0]
         dq, dk, dv = run.backend.kernel_backward(
@@ -481,6 +499,9 @@ def ring_backward(
         return dq, dk, dv, dsinks, None, None
     dq = _Accumulator(q.shape, acc, q.device)
     dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
+    # Shapes, dtypes and device of k, v without their storage, for what outlives them.
+    like = (k.new_empty((k.shape[0], 0, *k.shape[2:])), v.new_empty((v.shape[0], 0, *v.shape[2:])))
+    last = len(steps) - 1
     cache: dict = {}
     grads_in: tuple | None = None  # (pending, dk rows, dv rows, ranges) of the previous step
 
@@ -502,6 +523,9 @@ def ring_backward(
             if i:
                 k_cur = v_cur = None  # the previous step's buffers go before this step's arrive
                 k_cur, v_cur = _serial_kv(run, step, k, v, i)
+                if i == last and handed is not None:  # own K/V sent for the last time
+                    k = v = None
+                    handed.clear()
         elif i + 1 < len(steps):
             pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
             _record(run, "post", i + 1)
@@ -513,7 +537,7 @@ def ring_backward(
             # The gradients of src's rows go back to src in q's dtype (the previous step's may
             # still be in flight).
             send_k, send_v = _remote_grads(
-                run, i % 2 if run.overlap else 0, (k, v), step.kv_len, step.calls, dout, q, k_cur, v_cur, out,
+                run, i % 2 if run.overlap else 0, like, step.kv_len, step.calls, dout, q, k_cur, v_cur, out,
                 lse, dq, cache,
             )
             # This step's K/V are read for the last time: free their slot before the receive
@@ -528,8 +552,9 @@ def ring_backward(
             recvs, gk, gv = [], None, None
             if step.send_rows:
                 rows_home = sum(b - a for a, b in step.send_rows)
-                gk = _buffer(run, "ring.grad_k", (k.shape[0], rows_home, *k.shape[2:]), k, k.dtype)
-                gv = _buffer(run, "ring.grad_v", (v.shape[0], rows_home, *v.shape[2:]), v, v.dtype)
+                k_like, v_like = like
+                gk = _buffer(run, "ring.grad_k", (k_like.shape[0], rows_home, *k_like.shape[2:]), k_like, k_like.dtype)
+                gv = _buffer(run, "ring.grad_v", (v_like.shape[0], rows_home, *v_like.shape[2:]), v_like, v_like.dtype)
                 recvs = [(step.dst, gk), (step.dst, gv)]
             grads_in = (post(run.group, sends, recvs), gk, gv, step.send_rows)
             _record(run, "post_grad", i)
@@ -541,6 +566,9 @@ def ring_backward(
             pending.wait()
             _record(run, "wait", i + 1)
             k_cur, v_cur, k_next, v_next = k_next, v_next, None, None
+            if i + 1 == last and handed is not None:  # own K/V sent for the last time, step 0 done
+                pending = k = v = None
+                handed.clear()
     if grads_in is not None:
         add_home(grads_in)
         _record(run, "wait_grad", len(steps) - 1)
@@ -551,7 +579,7 @@ def ring_backward(
     dek = dev = None
     if dextra is not None:
         dek, dev = dextra[0].take(extra_k.dtype), dextra[1].take(extra_v.dtype)
-    return dq.take(q.dtype), dk.take(k.dtype), dv.take(v.dtype), dsinks, dek, dev
+    return dq.take(q.dtype), dk.take(like[0].dtype), dv.take(like[1].dtype), dsinks, dek, dev
 
 
 def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:

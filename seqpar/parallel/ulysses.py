@@ -393,16 +393,20 @@ def heads_forward(
 
 
 def heads_backward(
-    dout_u: Tensor, q_u: Tensor, k_u: Tensor, v_u: Tensor, out_u: Tensor, lse_u: Tensor, sinks: Tensor | None,
-    extra_k: Tensor | None, extra_v: Tensor | None, spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
-    expanded: bool = False,
+    dout_u: Tensor, q_u: Tensor, k_u: Tensor | None, v_u: Tensor | None, out_u: Tensor, lse_u: Tensor,
+    sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None, spec: UlyssesSetup,
+    run: RingSetup | AllGatherSetup, expanded: bool = False, handed: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of :func:`heads_forward`: ``(dq_u, dk_u, dv_u)`` shaped like the received
     ``q_u, k_u, v_u`` (expanded K/V heads summed back), and this rank's partial ``(dsinks,
     dextra_k, dextra_v)`` in the full shapes of ``sinks``, ``extra_k``, ``extra_v`` (None where
     those are None). ``expanded``: ``k_u``, ``v_u`` are already expanded to the kernel's heads
-    (the received heads then die before the kernels)."""
+    (the received heads then die before the kernels). ``handed``: ``[k_u, v_u]`` instead of
+    ``k_u, v_u`` (None then) from a caller that holds no other reference, for the ring to free
+    once sent (Note [Own K/V released] in ``seqpar.parallel.ring``)."""
     mine = spec.mine
+    if handed is not None and not mine.q_len:
+        k_u, v_u = handed
     if not mine.q_len:  # no head here: zero shares, so every rank returns the same gradients (sum over CP)
         return (
             torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u),
@@ -413,9 +417,14 @@ def heads_backward(
     s = None if sinks is None else mine.q_heads(sinks, 0)
     ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
     ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
-    if not expanded:
+    if handed is not None:
+        if not expanded:
+            handed[:] = [_expand(mine, t) for t in handed]
+    elif not expanded:
         k_u, v_u = _expand(mine, k_u), _expand(mine, v_u)
-    dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(dout_u, q_u, k_u, v_u, s, ek, ev, out_u, lse_u, _my_slopes(run, mine))
+    dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(
+        dout_u, q_u, k_u, v_u, s, ek, ev, out_u, lse_u, _my_slopes(run, mine), handed
+    )
     return (
         dq_u, _unexpand(mine, dk_u), _unexpand(mine, dv_u), _place(mine, ds, sinks, "q", 0),
         _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2),
@@ -479,10 +488,12 @@ def ulysses_ring_backward(
     if expanded:  # the received K/V heads die here, before the kernels (Note [Ulysses memory])
         k_u, v_u = _expand(spec.mine, k_u), _expand(spec.mine, v_u)
     heads = ()
+    handed = [k_u, v_u]  # the ring frees them once sent (Note [Own K/V released])
+    del k_u, v_u
     dq_u, dk_u, dv_u, dsinks, dek, dev = heads_backward(
-        dout_u, q_u, k_u, v_u, out_u, lse_u, sinks, extra_k, extra_v, spec, run, expanded
+        dout_u, q_u, None, None, out_u, lse_u, sinks, extra_k, extra_v, spec, run, expanded, handed
     )
     staged = [dq_u, dk_u, dv_u]
-    del dq_u, dk_u, dv_u, q_u, k_u, v_u, out_u, dout_u
+    del dq_u, dk_u, dv_u, q_u, out_u, dout_u, handed
     dq, dk, dv = spec.grads_to_tokens(staged, list(shapes), "qkk")
     return dq, dk, dv, dsinks, dek, dev

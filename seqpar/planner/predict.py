@@ -38,8 +38,9 @@ moment by moment: held throughout, the shards of q, k, v, out, dout and the log-
 largest of the exchange to heads (the head-sharded q, k, v, out, dout, one staging copy), each
 ring step's kernel and the moment after it (K/V expanded to the kernel's heads where the mapping
 is not uniform, the received ones gone unless kept; the fp32 accumulators, the step's K/V and the next step's arriving, the previous step's dK/dV in flight
-both ways, the kernel's results, a send slot only where results are not sent as they are: Notes
-[Ring schedule], [Gradients sent as computed], [Step buffers released]) and the way back (the
+both ways, the kernel's results, a send slot only where results are not sent as they are, the
+head-sharded K/V until the last step's K/V have arrived: Notes [Ring schedule], [Gradients sent
+as computed], [Step buffers released], [Own K/V released], [Serial ring]) and the way back (the
 head-sharded gradients, one staging copy, the shard's dq, dk, dv). Not counted: kernel scratch
 (the CPU backend's windowed band kernels allocate some) and the allocator's fragmentation. The
 all-gather transport holds ``R + 1`` slots of ``width`` K/V rows (the gathered buffer and the own
@@ -398,20 +399,24 @@ def _memory(
             held = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
             held += B * L * h * 4  # the forward's log-sum-exps (fp32), this rank's heads
             grads = local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
-            ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial) if h else 0
             if U > 1:
                 inputs = L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
                 at_kernel = inputs
                 if a.kv_index is not None:  # K/V expanded to the kernel's heads; the received
                     # ones die then unless the forward kept them (Note [Ulysses memory])
                     at_kernel += 2 * L * (kv - (0 if keep_head_shards else a.kv_len)) * unit * e
+                own = 0
+                if not keep_head_shards:  # the ring frees the K/V the kernels read once sent
+                    own = 2 * L * (a.kv_len if a.kv_index is None else kv) * unit * e  # (Note [Own K/V released])
+                    at_kernel -= own
+                ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial, own) if h else 0
                 moments = (
                     inputs + local * H * unit * e,  # their exchange: one staging copy at a time
                     at_kernel + ring,
                     L * (h + 2 * a.kv_len + max(h, a.kv_len)) * unit * e + grads,  # dq, dk, dv back
                 )
             else:
-                moments = (ring, grads)
+                moments = (_ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial) if h else 0, grads)
             worst = max(worst, held + max(moments))
     return worst
 
@@ -427,7 +432,7 @@ def _covers(call, q_len: int, kv_len: int) -> bool:
 
 
 def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, acc: int,
-               gather_width: int | None, serial: bool = False) -> int:
+               gather_width: int | None, serial: bool = False, own: int = 0) -> int:
     """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
     of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
@@ -436,7 +441,9 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     not contiguous), the previous step's dK/dV in flight both ways, the kernel's results and the
     step's send slot when its results are not sent as they are; after it, the step's dK/dV sent
     and this rank's arriving. ``serial`` (Note [Serial ring]): no next step's K/V and no previous
-    step's dK/dV, but the step's own K/V arriving next to the staging of the rows it sends."""
+    step's dK/dV, but the step's own K/V arriving next to the staging of the rows it sends.
+    ``own``: bytes of this rank's K/V handed to the ring (Note [Own K/V released]), alive until
+    the last step's K/V have arrived (all-gather and single-step calls: throughout)."""
     L, steps = plan.q_len, plan.steps
 
     def sent_whole(i: int) -> bool:  # a remote step whose one kernel call's results are sent as they are
@@ -448,15 +455,15 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
 
     kernel_out = [kernel_results(i) for i in range(len(steps))]
     if len(steps) == 1 and is_single_block(steps[0].calls, L, L):
-        return L * (h + 2 * kv) * unit * e
+        return own + L * (h + 2 * kv) * unit * e
     accumulators = L * (h + 2 * kv) * unit * acc
     if len(steps) == 1:
-        return accumulators + kernel_out[0]
+        return own + accumulators + kernel_out[0]
     if gather_width is not None:
         R = len(steps)
         rows = (R + 1) * gather_width  # R slots and the own part
         max_recv = plan.max_recv
-        return (accumulators + max(kernel_out) + 2 * rows * kv * unit * e  # gathered K/V
+        return (own + accumulators + max(kernel_out) + 2 * rows * kv * unit * e  # gathered K/V
                 + 2 * rows * kv * unit * e  # dK/dV slots and the summed own slot
                 + 2 * max_recv * kv * unit * (e + acc))  # a step's rows copied out, summed in fp32
 
@@ -478,7 +485,7 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
         if serial:  # nothing of another step: this one's K/V arrive while its own rows are sent
             ahead = prev = 0
             if i and step.recv_rows:
-                peak = max(peak, accumulators + kv_rows(step.kv_len) + staged(step))
+                peak = max(peak, own + accumulators + kv_rows(step.kv_len) + staged(step))
         else:
             ahead = (kv_rows(nxt.kv_len) if nxt.recv_rows else 0) + staged(nxt) if nxt else 0
             prev = kv_rows(steps[i - 1].kv_len) + kv_rows(sent_rows(steps[i - 1])) if i >= 2 else 0
@@ -494,7 +501,8 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
             # accumulator dtype); the step's later calls add into them.
             later = max((_results(c, h, kv, unit, e) for c in step.calls[1:]), default=0)
             at_kernel = max(kernel_out[0] + (accumulators if e != acc else 0), accumulators + later if later else 0)
-        peak = max(peak, at_kernel + here + ahead + prev + slot)
+        mine = own if i < len(steps) - 1 else 0  # freed once the last step's K/V have arrived
+        peak = max(peak, mine + at_kernel + here + ahead + prev + slot)
         if i:  # after its kernels: the step's K/V freed, its dK/dV sent, this rank's arriving
-            peak = max(peak, accumulators + ahead + prev + kv_rows(step.kv_len) + kv_rows(sent_rows(step)))
+            peak = max(peak, mine + accumulators + ahead + prev + kv_rows(step.kv_len) + kv_rows(sent_rows(step)))
     return peak
