@@ -298,7 +298,7 @@ def _memory_notes(cfg: _Config, workspace_mib: float) -> list[str]:
             f"uneven heads: H={cfg.heads} query heads over ulysses {cfg.ulysses} are split {heads}, so a Ulysses rank "
             f"holds up to {max(heads)}/{cfg.heads} of them, not 1/{cfg.ulysses}{split_kv}. The demo's default shape "
             "is this worst case on purpose (nothing needs to divide anything); with heads that divide "
-            "(--heads 8 --kv-heads 2) every rank holds the same share and x ideal drops (3.2 instead of 5.7 "
+            "(--heads 8 --kv-heads 2) every rank holds the same share and x ideal drops (3.0 instead of 4.9 "
             "at this size on CPU)."
         )
     return notes
