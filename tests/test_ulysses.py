@@ -302,42 +302,67 @@ def _expanded_kv_case(world: int, h: int, hkv: int) -> dict:
     backward received (the inputs of its expansion) are still alive; and the error to float64."""
     import weakref
 
-    import seqpar.backends.cpu as cpu_mod
     import seqpar.parallel.ulysses as uly_mod
-    from seqpar.backends.reference import reference_attention
 
     state = ParallelState(ring_size=1, ulysses_size=world)
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 31, h, 8, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(1, 31, hkv, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    dout = torch.randn(1, 31, h, 8, generator=gen, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = reference_attention(*leaves, causal=True)
-    ref.backward(dout)
-    local = [shard(t, state).requires_grad_() for t in (q, k, v)]
-    out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=31)
-
-    received, alive_at_kernel = [], []
-    expand, kernel_backward = uly_mod._expand, cpu_mod._kernel_backward
+    out, dout, got, want = _causal_call(state, 31, h, hkv, seed=2)
+    received = []
+    expand = uly_mod._expand
 
     def spy_expand(heads, x):
         if heads.kv_index is not None:
             received.append(weakref.ref(x))
         return expand(heads, x)
 
+    alive_at_kernel = _backward_with_kernel_spy(out, dout, received, [(uly_mod, "_expand", spy_expand)])
+    return {"expanded": len(received), "alive_at_kernel": alive_at_kernel, "err": _max_err(got(), want)}
+
+
+def _backward_with_kernel_spy(out, dout, tracked: list, patches: list) -> list[int]:
+    """``out.backward(dout)`` with ``patches`` (``(module, name, replacement)``) applied: how many
+    of the weak references in ``tracked`` (which the replacements may fill) are alive at each
+    call of the CPU backend's backward kernel."""
+    import seqpar.backends.cpu as cpu_mod
+
+    alive, kernel_backward = [], cpu_mod._kernel_backward
+
     def spy_kernel(*args, **kwargs):
-        alive_at_kernel.append(sum(r() is not None for r in received))
+        alive.append(sum(r() is not None for r in tracked))
         return kernel_backward(*args, **kwargs)
 
-    uly_mod._expand, cpu_mod._kernel_backward = spy_expand, spy_kernel
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    originals.append((cpu_mod, "_kernel_backward", kernel_backward))
+    for module, name, replacement in [*patches, (cpu_mod, "_kernel_backward", spy_kernel)]:
+        setattr(module, name, replacement)
     try:
-        out.backward(shard(dout, state))
+        out.backward(dout)
     finally:
-        uly_mod._expand, cpu_mod._kernel_backward = expand, kernel_backward
+        for module, name, original in originals:
+            setattr(module, name, original)
+    return alive
+
+
+def _max_err(got: list, want: list) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(got, want))
+
+
+def _causal_call(state: ParallelState, S: int, h: int, hkv: int, seed: int):
+    """A causal float64 call on ``state`` (CPU backend) before its backward: ``(out, dout shard,
+    got, want)``, ``got()`` this rank's output and gradients once the backward ran, ``want`` the
+    single-device reference's at this rank's tokens."""
+    from seqpar.backends.reference import reference_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, S, h, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, S, hkv, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(1, S, h, 8, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*leaves, causal=True)
+    ref.backward(dout)
+    local = [shard(t, state).requires_grad_() for t in (q, k, v)]
+    out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=S)
     want = [shard(t, state) for t in (ref.detach(), *(t.grad for t in leaves))]
-    got = [out.detach(), *(t.grad for t in local)]
-    err = max((a - b).abs().max().item() for a, b in zip(got, want))
-    return {"expanded": len(received), "alive_at_kernel": alive_at_kernel, "err": err}
+    return out, shard(dout, state), lambda: [out.detach(), *(t.grad for t in local)], want
 
 
 @pytest.mark.parametrize("world, h, hkv", [(2, 9, 3), (3, 8, 2)])
@@ -357,41 +382,22 @@ def _own_kv_case(comm: str, keep: bool) -> dict:
     the K/V head shards the backward handed to the ring are still alive; and the error to float64."""
     import weakref
 
-    import seqpar.backends.cpu as cpu_mod
     import seqpar.parallel.allgather as ag_mod
-    from seqpar.backends.reference import reference_attention
 
     state = ParallelState(ring_size=2, ulysses_size=2, ring_comm=comm, keep_head_shards=keep)
-    gen = torch.Generator().manual_seed(4)
-    q, dout = (torch.randn(1, 37, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, 37, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = reference_attention(*leaves, causal=True)
-    ref.backward(dout)
-    local = [shard(t, state).requires_grad_() for t in (q, k, v)]
-    out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=37)
-
-    own, alive_at_kernel = [], []
-    ring_backward, kernel_backward = ag_mod.ring_backward, cpu_mod._kernel_backward
+    out, dout, got, want = _causal_call(state, 37, 4, 4, seed=4)
+    own = []
+    ring_backward = ag_mod.ring_backward
 
     def spy_ring(*args, **kwargs):
         handed = args[10] if len(args) > 10 else kwargs.get("handed")
         own.extend(weakref.ref(t) for t in (handed if handed is not None else args[2:4]))
         return ring_backward(*args, **kwargs)
 
-    def spy_kernel(*args, **kwargs):
-        alive_at_kernel.append(sum(r() is not None for r in own))
-        return kernel_backward(*args, **kwargs)
-
-    ag_mod.ring_backward, cpu_mod._kernel_backward = spy_ring, spy_kernel
-    try:
-        out.backward(shard(dout, state))
-    finally:
-        ag_mod.ring_backward, cpu_mod._kernel_backward = ring_backward, kernel_backward
-    want = [shard(t, state) for t in (ref.detach(), *(t.grad for t in leaves))]
-    got = [out.detach(), *(t.grad for t in local)]
+    alive_at_kernel = _backward_with_kernel_spy(out, dout, own, [(ag_mod, "ring_backward", spy_ring)])
+    err = _max_err(got(), want)
     state.close()
-    return {"alive_at_kernel": alive_at_kernel, "err": max((a - b).abs().max().item() for a, b in zip(got, want))}
+    return {"alive_at_kernel": alive_at_kernel, "err": err}
 
 
 @pytest.mark.parametrize("comm", ["p2p", "p2p_serial"])
