@@ -406,7 +406,7 @@ def _memory(
                     # ones die then unless the forward kept them (Note [Ulysses memory])
                     at_kernel += 2 * L * (kv - (0 if keep_head_shards else a.kv_len)) * unit * e
                 own = 0
-                if not keep_head_shards:  # the ring frees the K/V the kernels read once sent
+                if h and not keep_head_shards:  # the ring frees the K/V the kernels read once sent
                     own = 2 * L * (a.kv_len if a.kv_index is None else kv) * unit * e  # (Note [Own K/V released])
                     at_kernel -= own
                 ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial, own) if h else 0
@@ -437,10 +437,11 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
     dq, dk, dv accumulators (a single-block call has none: its kernel's results are the
-    gradients; the first result of step 0 that covers every row becomes them), at each kernel the step's K/V, the next step's arriving (and their staging when
-    not contiguous), the previous step's dK/dV in flight both ways, the kernel's results and the
-    step's send slot when its results are not sent as they are; after it, the step's dK/dV sent
-    and this rank's arriving. ``serial`` (Note [Serial ring]): no next step's K/V and no previous
+    gradients; the first result of step 0 that covers every row becomes them), at each kernel
+    the step's K/V, the next step's arriving (and their staging when not contiguous), the
+    previous step's dK/dV in flight both ways, the kernel's results and the step's send slot
+    when its results are not sent as they are; after it, the step's dK/dV sent and this rank's
+    arriving. ``serial`` (Note [Serial ring]): no next step's K/V and no previous
     step's dK/dV, but the step's own K/V arriving next to the staging of the rows it sends.
     ``own``: bytes of this rank's K/V handed to the ring (Note [Own K/V released]), alive until
     the last step's K/V have arrived (all-gather and single-step calls: throughout)."""
