@@ -426,11 +426,6 @@ def _results(call, h: int, kv: int, unit: int, e: int) -> int:
     return ((call.q1 - call.q0) * h + 2 * (call.k1 - call.k0) * kv) * unit * e
 
 
-def _covers(call, q_len: int, kv_len: int) -> bool:
-    """Whether a block call reads every query row and every key row of its step."""
-    return (call.q0, call.q1, call.k0, call.k1) == (0, q_len, 0, kv_len)
-
-
 def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, acc: int,
                gather_width: int | None, serial: bool = False, own: int = 0) -> int:
     """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
@@ -497,7 +492,7 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
             if e != acc and sums_keys(split_wide_blocks(step.calls)):
                 slot += 2 * step.kv_len * kv * unit * acc  # summed in fp32 first
         at_kernel = accumulators + kernel_out[i]
-        if i == 0 and _covers(step.calls[0], L, step.kv_len):
+        if i == 0 and is_single_block(step.calls[:1], L, step.kv_len):
             # The first result that covers every row becomes the accumulators (a copy in a wider
             # accumulator dtype); the step's later calls add into them.
             later = max((_results(c, h, kv, unit, e) for c in step.calls[1:]), default=0)
