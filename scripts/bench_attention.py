@@ -69,7 +69,7 @@ import argparse
 import math
 import statistics
 from collections.abc import Callable
-from typing import Self
+from typing import Self, get_args
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,7 @@ from seqpar.parallel import ring as ring_module
 from seqpar.placement import Mask, MaskSlices, Placement, head_assignments, ring_plan
 from seqpar.placement.cost import kv_bytes, plan_costs
 from seqpar.placement.gather import gather_plan
+from seqpar.state import RingComm
 from seqpar.tools.bench import (
     Ranks,
     few_iterations_warning,
@@ -97,7 +98,7 @@ from seqpar.tools.profiling import (
 )
 from seqpar.tools.report import Panel, add_output_arguments, chart_panels, emit, progress, script_parser, table
 
-_TRANSPORTS = ("p2p", "p2p_serial", "allgather")  # ParallelState(ring_comm=...)
+_TRANSPORTS = get_args(RingComm)  # ParallelState(ring_comm=...)
 
 # ---------------------------------------------------------------------------------------------
 # Masks and plan figures (host maths, no tensors of the problem)

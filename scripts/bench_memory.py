@@ -36,12 +36,14 @@ also writes it to a file.
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
 import torch
 
 import seqpar
 from seqpar.backends import get_backend
 from seqpar.comm import Workspace
+from seqpar.state import RingComm
 from seqpar.tools.bench import Ranks, inputs, parse_configs
 from seqpar.tools.profiling import PeakMemory
 from seqpar.tools.report import add_output_arguments, chart, emit, progress, script_parser, table
@@ -223,7 +225,7 @@ def main() -> None:
                         "instead of fresh buffers per call")
     parser.add_argument("--keep-head-shards", action="store_true",
                         help="ParallelState(keep_head_shards=True): Ulysses keeps its head shards for the backward")
-    parser.add_argument("--ring-comm", default="p2p", choices=("p2p", "p2p_serial", "allgather"),
+    parser.add_argument("--ring-comm", default="p2p", choices=get_args(RingComm),
                         help="ParallelState(ring_comm=...): the ring's K/V transport")
     add_output_arguments(parser, "total x (everything counted) per configuration, single call and stack")
     args = parser.parse_args()

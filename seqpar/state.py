@@ -21,7 +21,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 Checks = Literal["auto", "always", "never"]
 _CHECKS = ("auto", "always", "never")
 RingComm = Literal["p2p", "p2p_serial", "allgather"]
-_RING_COMMS = ("p2p", "p2p_serial", "allgather")
+_RING_COMMS = get_args(RingComm)
 
 __all__ = ["ParallelState", "require_state"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from ..checks import check_gqa, check_mask_options
 from ..placement import Mask
 from ..placement.sizes import as_int
-from ..state import ParallelState
+from ..state import ParallelState, RingComm
 from .cost import CostModel
 from .predict import Candidate, Shape, predict
 
@@ -20,7 +21,7 @@ __all__ = ["DegreePlan", "plan", "TIE_RTOL"]
 # (measured choices are checked to within 10% in tests/test_planner.py), so 205 ms against 206 ms
 # says nothing about which split is faster.
 TIE_RTOL = 0.02
-RING_COMMS = ("auto", "p2p", "p2p_serial", "allgather")
+RING_COMMS = ("auto", *get_args(RingComm))
 
 
 def _mib(nbytes: float) -> str:
