@@ -11,7 +11,11 @@ forward+backward per length (Note [Longest-context measurement] in seqpar/tools/
    above the line (the upper envelope: the prediction errs on the side of fitting);
 2. calibrates the model from that line (seqpar.planner.memory.calibrate_from_fit: the layer
    factor from the slope, the overhead from the raised intercept); the line must be the model's
-   layer moment at every fitted length (a length where the loss's backward is the peak is refused);
+   layer moment at every fitted length (a length where the loss's backward is the peak is refused).
+   Fit near the lengths you predict: within a layer's backward the peak is one of several
+   moments (attention's kernels, a norm's or the MLP's backward), each its own line, and a line
+   fitted below the length where a steeper one crosses it under-predicts beyond (measured in
+   docs/performance.md, "Longest context");
 3. validates it: the predicted longest T for --budget-gib runs with a peak within the budget, and
    T * 1.1 does not (its measured peak exceeds the budget). --reserve-mib keeps that much of the
    budget out of the prediction (the model's reserve term): on CUDA the caching allocator's

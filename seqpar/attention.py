@@ -29,6 +29,7 @@ from .backends import AttentionBackend
 from .placement.masks import MaskSlices
 from .comm import refuse_double_backward
 from .parallel.hybrid import (
+    dout_heads_shape,
     dout_to_heads,
     hands_over,
     head_grads_to_tokens,
@@ -61,33 +62,73 @@ __all__ = [
 
 
 class _Attention(torch.autograd.Function):
-    """The eager autograd function of every call that does not split at the head shards
-    (:func:`_apply`): :func:`hybrid_forward` forward, its backward backward. Saves the shard's q,
-    k, v, sinks, out and the LSEs (Note [Ulysses memory]), and with ``keep_head_shards`` (only
-    with replicated rows here) the Ulysses head shards too."""
+    """The eager autograd function of a call that neither splits at the head shards nor hands
+    over its token shards (:func:`_apply`: ring-only calls, calls with replicated rows):
+    :func:`hybrid_forward` forward, its backward backward. Saves the shard's q, k, v, sinks, out
+    and the LSEs (Note [Ulysses memory]), and with ``keep_head_shards`` (only with replicated
+    rows here) the Ulysses head shards too."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall,
-                hand_over: HandOver | None) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall) -> Tensor:
         out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, q, k, v, sinks)
         ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated, *heads)
         ctx.setup = call.setup  # not the call: it holds q, k, v (Note [Head shards as a node])
-        ctx.hand_over = hand_over
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
         q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
-        if ctx.hand_over is not None and ctx.hand_over.take():  # Note [Saved tensors handed over]
-            tokens, shapes = [q, k, v, out], (q.shape, k.shape, v.shape)
+        grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads))
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)  # none for call
+
+
+class _AttentionDoutFirst(torch.autograd.Function):
+    """:class:`_Attention` for a call whose dout reaches it already exchanged to head shards
+    (Note [Dout exchanged first] in ``seqpar.parallel.hybrid``): besides ``out`` it returns a
+    storage-less ``[B, L, H_mine, Dv]`` handle through which :class:`_DoutToHeads` passes
+    ``dout_u`` back; ``out`` itself receives no gradient."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall,
+                hand_over: HandOver) -> tuple[Tensor, Tensor]:
+        out, lse_body, lse_replicated, _ = hybrid_forward(call.setup, q, k, v, sinks)
+        ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated)
+        ctx.setup, ctx.hand_over = call.setup, hand_over
+        ctx.set_materialize_grads(False)  # out's gradient stays None, never a zero token shard
+        return out, out.new_zeros(()).expand(dout_heads_shape(call.setup, out))
+
+    @staticmethod
+    def backward(ctx, _: None, dout_u: Tensor | None):
+        refuse_double_backward("seqpar attention")
+        if dout_u is None:  # the output took no part in what was differentiated
+            return None, None, None, None, None, None
+        q, k, v, out, sinks, lse_body, lse_replicated = ctx.saved_tensors
+        shapes = (q.shape, k.shape, v.shape)
+        if ctx.hand_over.take():  # Note [Saved tensors handed over]
+            tokens = [q, k, v, out]
             del q, k, v, out
-            grads = hybrid_backward(ctx.setup, dout, None, None, None, sinks, None, lse_body, lse_replicated, (),
-                                    shapes, tokens)
+            grads = hybrid_backward(ctx.setup, None, None, None, None, sinks, None, lse_body, lse_replicated, (),
+                                    shapes, tokens, dout_u)
         else:
-            grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads))
-        # No gradient for call and hand_over.
+            grads = hybrid_backward(ctx.setup, None, q, k, v, sinks, out, lse_body, lse_replicated, dout_u=dout_u)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
+
+
+class _DoutToHeads(torch.autograd.Function):
+    """The node after :class:`_AttentionDoutFirst`: passes ``out`` on (an alias) and in the
+    backward exchanges dout to head shards, returned through the handle, so that autograd frees
+    the token-sharded dout before the attention backward runs; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, handle: Tensor, call: PreparedCall) -> Tensor:
+        ctx.setup = call.setup
+        return out.detach()  # an alias sharing out's version counter: in-place changes are caught
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        refuse_double_backward("seqpar attention")
+        return None, dout_to_heads(ctx.setup, dout), None
 
 
 class _ToHeadShards(torch.autograd.Function):
@@ -142,9 +183,10 @@ def _apply(call: PreparedCall, sinks: Tensor | None) -> Tensor:
         q_u, k_u, v_u = _ToHeadShards.apply(call.qb, call.kb, call.vb, call)
         return _ToTokenShard.apply(_HeadShardsAttention.apply(q_u, k_u, v_u, sinks, call), call)
     if not hands_over(call.setup):
-        return _Attention.apply(call.qb, call.kb, call.vb, sinks, call, None)
+        return _Attention.apply(call.qb, call.kb, call.vb, sinks, call)
     with HandOver() as hand_over:  # Note [Saved tensors handed over]
-        return _Attention.apply(call.qb, call.kb, call.vb, sinks, call, hand_over)
+        out, handle = _AttentionDoutFirst.apply(call.qb, call.kb, call.vb, sinks, call, hand_over)
+    return _DoutToHeads.apply(out, handle, call)  # Note [Dout exchanged first]
 
 
 def attention(

@@ -41,8 +41,9 @@ def _reference():
 
 def _run(state, mode: str) -> dict:
     """One call on leaves through a scalar multiply (saves nothing), so the token shards attention
-    saves are held by attention alone; whether the token shards its backward received (the
-    tensors it sends first) are still alive when the kernels run."""
+    saves are held by attention alone and its incoming gradient by autograd alone; whether the
+    token shards of q, k, v, out and dout its backward received (the tensors it sends first) are
+    still alive when the kernels run."""
     q, k, v, dout = (seqpar.shard(t, state) for t in _inputs())
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     alive: list[list[bool]] = []
@@ -50,8 +51,10 @@ def _run(state, mode: str) -> dict:
     original_kernels, original_exchange = ulysses_mod.heads_backward, ulysses_mod.UlyssesSetup.to_heads_each
 
     def spy_exchange(self, xs, kinds, **kwargs):
-        if kinds == "qkkqq":  # the backward's exchange of q, k, v, out (and dout)
-            received[:] = [StorageWeakRef(t.untyped_storage()) for t in xs[:4]]
+        if kinds == "q":  # dout, exchanged first by its own node (Note [Dout exchanged first])
+            received[:] = [StorageWeakRef(xs[0].untyped_storage())]
+        if kinds == "qkkq":  # the backward's exchange of q, k, v, out
+            received[:] = [StorageWeakRef(t.untyped_storage()) for t in xs] + received[-1:]
         return original_exchange(self, xs, kinds, **kwargs)
 
     def spy_kernels(*args, **kwargs):
@@ -110,8 +113,8 @@ def test_token_shards_freed_when_the_kernels_run(pools, world):
     for rank, results in enumerate(pools(world).run(_rank, "plain")):
         for split, r in results:
             assert r["err"] < 1e-10, (rank, split, r)
-            # q, k, v and out of the one call: all freed before the head shards' backward.
-            assert r["alive"] == [[False] * 4], (rank, split, r)
+            # q, k, v, out and dout of the one call: all freed before the head shards' backward.
+            assert r["alive"] == [[False] * 5], (rank, split, r)
 
 
 @pytest.mark.parametrize("mode", ["retain", "save_on_cpu", "checkpoint"])
@@ -119,10 +122,11 @@ def test_kept_graph_and_other_hooks_keep_results_exact(pools, mode):
     for rank, results in enumerate(pools(3).run(_rank, mode)):
         for split, r in results:
             assert r["err"] < 1e-10, (rank, split, r)
+            # dout is autograd's incoming gradient, freed once exchanged whatever holds the rest.
             if mode == "retain":  # kept for the second backward, handed over by it (no retain_graph)
-                assert r["alive"] == [[True] * 4, [False] * 4], (rank, split, r)
+                assert r["alive"] == [[True] * 4 + [False], [False] * 5], (rank, split, r)
             if mode == "checkpoint":  # the checkpoint's hooks own them: held as without the hand-over
-                assert r["alive"] == [[True] * 4], (rank, split, r)
+                assert r["alive"] == [[True] * 4 + [False]], (rank, split, r)
 
 
 def test_a_saved_tensor_modified_in_place_raises(pools):

@@ -42,7 +42,7 @@ from .ulysses import UlyssesSetup, heads_backward, heads_forward, ulysses_ring_b
 __all__ = [
     "HybridSetup", "hybrid_forward", "hybrid_backward", "splits_at_heads", "to_head_shards",
     "head_grads_to_tokens", "head_shards_forward", "head_shards_backward", "out_to_tokens", "dout_to_heads",
-    "hands_over",
+    "dout_heads_shape", "hands_over",
 ]
 
 
@@ -73,11 +73,11 @@ def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple
 
 
 def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse, heads=(), shapes=(),
-                   tokens=None):
+                   tokens=None, dout_u=None):
     if setup.ulysses is None:
         return kv_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
     return ulysses_ring_backward(
-        dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes, tokens
+        dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes, tokens, dout_u
     )
 
 
@@ -109,6 +109,31 @@ def splits_at_heads(setup: HybridSetup) -> bool:
 # all-to-all (a quarter of a call's peak, ``docs/performance.md``). The pieces are the ones
 # ``hybrid_forward`` / ``hybrid_backward`` compose (same exchanges and kernels, same order);
 # ``seqpar.compiled`` keeps the one-node form (one operator), as do calls with replicated rows.
+
+
+# Note [Dout exchanged first]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd holds a node's incoming gradient until its backward returns. A Ulysses call's backward
+# exchanges dout to the head shards, and from then on the token-sharded dout is dead, but as the
+# one node's incoming gradient it was held through the kernels -- next to dout_u, one
+# output-sized tensor more at the backward's peak. An eager call that hands over its token shards
+# (:func:`hands_over`) is therefore two nodes:
+#
+#   q, k, v --attention--> out, handle --pass-through--> out (an alias: in-place changes are caught)
+#             (saves q, k, v, out,          backward: dout -> dout_u (:func:`dout_to_heads`),
+#              the LSEs; its backward       returned as the handle's gradient
+#              gets dout_u, not dout)
+#
+# The handle is a storage-less ``[B, L, H_mine, Dv]`` tensor (one expanded element), the shape of
+# dout_u, so autograd passes dout_u on as its gradient; the output's own gradient stays None.
+# When the second node returns, autograd frees dout unless something else holds it (a caller's
+# own ``out.backward(dout)`` tensor, a residual branch's gradient passed on as is); in a layer
+# with an output projection, dout is that projection's input gradient and goes. Measured, one
+# rank of 1 x 8 of ``scripts/bench_memory.py``'s 4-layer stack, S = 4096, H = 8, Hkv = 2: the
+# peak fell 17.58 -> 16.58 token shards of x (``docs/performance.md``). The exchanges, their
+# order of kernels and the results are unchanged; dout now travels before q, k, v, out instead of
+# after them. ``seqpar.compiled`` keeps the one-node form (one operator), as do calls that do not
+# hand over (``keep_head_shards`` splits at the head shards instead; replicated rows).
 
 
 def to_head_shards(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,6 +181,13 @@ def out_to_tokens(setup: HybridSetup, out_u: Tensor, num_heads: int) -> Tensor:
         return setup.ulysses.to_tokens([out_u], num_heads)
 
 
+def dout_heads_shape(setup: HybridSetup, out: Tensor) -> torch.Size:
+    """The shape of :func:`dout_to_heads`'s result for the token shard ``out`` ``[B, S_local, H,
+    Dv]``: ``[B, L, H_mine, Dv]``, all ``L`` ring-local tokens of this rank's query heads."""
+    spec = setup.ulysses
+    return torch.Size((out.shape[0], sum(spec.token_sizes), spec.mine.q_len, out.shape[-1]))
+
+
 def dout_to_heads(setup: HybridSetup, dout: Tensor) -> Tensor:
     """Backward of :func:`out_to_tokens`: ``dout_u`` ``[B, L, H_mine, Dv]``, a tensor of its own."""
     with _scope(setup):
@@ -183,14 +215,17 @@ def hybrid_forward(
 
 
 def hybrid_backward(
-    setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
-    out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...] = (),
-    shapes: tuple[torch.Size, ...] = (), tokens: list[Tensor] | None = None,
+    setup: HybridSetup, dout: Tensor | None, q: Tensor | None, k: Tensor | None, v: Tensor | None,
+    sinks: Tensor | None, out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor,
+    heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (), tokens: list[Tensor] | None = None,
+    dout_u: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward (see :func:`_hybrid_backward`), its transfer buffers in one workspace
     scope (Note [Workspace])."""
     with _scope(setup):
-        return _hybrid_backward(setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes, tokens)
+        return _hybrid_backward(
+            setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes, tokens, dout_u
+        )
 
 
 _NO_SCOPE = contextlib.nullcontext()
@@ -234,12 +269,14 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
 def _hybrid_backward(
     setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
-    shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None,
+    shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None, dout_u: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward from :func:`hybrid_forward`'s results; no autograd. Given the head
     shards ``heads`` and no replicated rows, ``q, k, v, out`` may be None; ``shapes`` are then
     q's, k's, v's. They are None too given ``tokens``, a list ``[q, k, v, out]`` the backward
     empties as it sends them (:func:`hands_over` calls only; Note [Saved tensors handed over]).
+    ``dout_u``: instead of ``dout`` (None then), dout already exchanged to this rank's heads by
+    :func:`dout_to_heads` (Ulysses without replicated rows; Note [Dout exchanged first]).
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
@@ -248,13 +285,16 @@ def _hybrid_backward(
         rank that holds no query head (``H < ulysses_size``).
     """
     p, s = setup.prefix, setup.suffix
+    if dout_u is not None and setup.ulysses is None:
+        raise ValueError("hybrid_backward: dout_u (dout exchanged to head shards) needs a Ulysses group")
     if setup.replicated is None:
         dq, dk, dv, dsinks, _, _ = _body_backward(
-            setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes, tokens
+            setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes, tokens, dout_u
         )
         return dq, dk, dv, dsinks
-    if tokens is not None:
-        raise ValueError("hybrid_backward: tokens are handed over only without replicated rows (hands_over)")
+    if tokens is not None or dout_u is not None:
+        raise ValueError("hybrid_backward: tokens and dout_u are handed over only without replicated rows "
+                         "(hands_over)")
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
     dq_b, dk_b, dv_b, ds_b, dk_rb, dv_rb = _body_backward(

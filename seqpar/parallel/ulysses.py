@@ -311,7 +311,9 @@ def ulysses_attention(
 # anyway), its output and the ring's LSE are saved; the backward repeats the all-to-all of q, k, v
 # with out and dout, runs the ring's backward and sends the gradients back. Backward traffic grows
 # from (dout + grads) to (q, k, v, out, dout + grads); saved activations shrink to what a single
-# device keeps. The backward exchanges the five tensors one at a time (UlyssesSetup.to_heads_each):
+# device keeps. The backward exchanges the five tensors one at a time (UlyssesSetup.to_heads_each;
+# an eager call exchanges dout first, in an autograd node of its own, Note [Dout exchanged first]
+# in seqpar/parallel/hybrid.py):
 # one staging copy alive instead of five, and each result a contiguous tensor of its own rather than
 # a strided view of one fused buffer (the kernels read them faster). Its peak is then the kernel's
 # working set: the head-sharded q, k, v, out, dout and their gradients (bench_memory.py,
@@ -466,24 +468,33 @@ def ulysses_ring_backward(
     dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     extra_k: Tensor | None, extra_v: Tensor | None, out: Tensor | None, lse_u: Tensor, spec: UlyssesSetup,
     run: RingSetup | AllGatherSetup, heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (),
-    tokens: list[Tensor] | None = None,
+    tokens: list[Tensor] | None = None, dout_u: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
     ``out`` and ``lse_u``. With the forward's head shards ``heads`` (``keep_head_shards``) only
     ``dout`` travels, and ``q, k, v, out`` may be None: ``shapes`` then gives q's, k's and v's.
     ``tokens``: instead of ``q, k, v, out`` (None then, ``shapes`` given), a list of them that
     the call empties as it sends each one, so that each is freed once sent (Note [Saved tensors
-    handed over] in ``seqpar.saved``)."""
+    handed over] in ``seqpar.saved``). ``dout_u``: dout already exchanged to this rank's heads
+    (``[B, L, H_mine, Dv]``, :meth:`UlyssesSetup.to_heads_each`), ``dout`` None then (Note
+    [Dout exchanged first] in ``seqpar.parallel.hybrid``)."""
+    exchanged = dout_u is not None
     if heads:
         q_u, k_u, v_u, out_u = heads
-        (dout_u,) = spec.to_heads_each([dout], "q")
+        if not exchanged:
+            (dout_u,) = spec.to_heads_each([dout], "q")
         shapes = shapes or (q.shape, k.shape, v.shape)
-    elif tokens is not None:
-        tokens.append(dout)
-        q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each(tokens, "qkkqq")
     else:
-        shapes = (q.shape, k.shape, v.shape)
-        q_u, k_u, v_u, out_u, dout_u = spec.to_heads_each([q, k, v, out, dout], "qkkqq")
+        if tokens is None:
+            shapes = (q.shape, k.shape, v.shape)
+            tokens = [q, k, v, out]
+            del q, k, v, out
+        if not exchanged:
+            tokens.append(dout)
+            del dout
+        q_u, k_u, v_u, out_u, *rest = spec.to_heads_each(tokens, "qkkqq"[:len(tokens)])
+        dout_u = dout_u if exchanged else rest[0]
+        del rest
     expanded = not heads and spec.mine.q_len > 0 and spec.mine.kv_index is not None
     if expanded:  # the received K/V heads die here, before the kernels (Note [Ulysses memory])
         k_u, v_u = _expand(spec.mine, k_u), _expand(spec.mine, v_u)

@@ -48,7 +48,9 @@ Llama-3-8B, to the layer's moment, where it is not alive (Note [Tiled token-wise
   outputs, the residual, incoming and outgoing gradients), the shard's q, k, v, out and their
   gradients, the log-sum-exps; with ``U > 1`` the head-sharded copies of q, k, v, out, dout and
   their staging (``U * ceil(H / U)`` query heads and ``U * kv`` K/V heads per local token, K/V
-  heads replicated where ``Hkv < U``), the
+  heads replicated where ``Hkv < U``; the shard's own dout is freed once exchanged, Note [Dout
+  exchanged first] in ``seqpar/parallel/hybrid.py``, but still counted here, so factors fitted
+  before that change err high by at most ``H * D * e`` per token), the
   fp32 dq, dk, dv accumulators; with ``R > 1`` the ring's
   K/V and dK/dV slots (two of each) and the fp32 dK/dV sum; and the MLP's chunk (``5 * F * e /
   chunks``: its intermediates and one gradient);
