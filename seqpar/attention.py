@@ -20,6 +20,8 @@ the ring is one local step; with ``U == 1`` there is no all-to-all.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +31,10 @@ from .backends import AttentionBackend
 from .placement.masks import MaskSlices
 from .comm import refuse_double_backward
 from .parallel.hybrid import (
-    dout_heads_shape,
+    dout_first,
+    dout_first_shapes,
     dout_to_heads,
+    exchanges_dout_first,
     hands_over,
     head_grads_to_tokens,
     head_shards_backward,
@@ -62,73 +66,77 @@ __all__ = [
 
 
 class _Attention(torch.autograd.Function):
-    """The eager autograd function of a call that neither splits at the head shards nor hands
-    over its token shards (:func:`_apply`: ring-only calls, calls with replicated rows):
+    """The eager autograd function of a call without a Ulysses group (:func:`_apply`):
     :func:`hybrid_forward` forward, its backward backward. Saves the shard's q, k, v, sinks, out
-    and the LSEs (Note [Ulysses memory]), and with ``keep_head_shards`` (only with replicated
-    rows here) the Ulysses head shards too."""
+    and the LSEs, all of which the ring's backward reads in every step."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall) -> Tensor:
-        out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, q, k, v, sinks)
-        ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated, *heads)
+        out, lse_body, lse_replicated, _ = hybrid_forward(call.setup, q, k, v, sinks)
+        ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated)
         ctx.setup = call.setup  # not the call: it holds q, k, v (Note [Head shards as a node])
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
-        q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
-        grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads))
+        q, k, v, out, sinks, lse_body, lse_replicated = ctx.saved_tensors
+        grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)  # none for call
 
 
 class _AttentionDoutFirst(torch.autograd.Function):
-    """:class:`_Attention` for a call whose dout reaches it already exchanged to head shards
-    (Note [Dout exchanged first] in ``seqpar.parallel.hybrid``): besides ``out`` it returns a
-    storage-less ``[B, L, H_mine, Dv]`` handle through which :class:`_DoutToHeads` passes
-    ``dout_u`` back; ``out`` itself receives no gradient."""
+    """:class:`_Attention` for a Ulysses call whose dout reaches it already exchanged (Note [Dout
+    exchanged first] in ``seqpar.parallel.hybrid``): besides ``out`` it returns two storage-less
+    handles, ``[B, L, H_mine, Dv]`` and ``[B, prefix + suffix, H, Dv]``, through which
+    :class:`_DoutToHeads` passes ``dout_u`` and the replicated rows' dout back; ``out`` itself
+    receives no gradient. ``hand_over`` (calls that hand over, or None): Note [Saved tensors
+    handed over]."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, call: PreparedCall,
-                hand_over: HandOver) -> tuple[Tensor, Tensor]:
-        out, lse_body, lse_replicated, _ = hybrid_forward(call.setup, q, k, v, sinks)
-        ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated)
+                hand_over: HandOver | None) -> tuple[Tensor, Tensor, Tensor]:
+        out, lse_body, lse_replicated, heads = hybrid_forward(call.setup, q, k, v, sinks)
+        ctx.save_for_backward(q, k, v, out, sinks, lse_body, lse_replicated, *heads)
         ctx.setup, ctx.hand_over = call.setup, hand_over
         ctx.set_materialize_grads(False)  # out's gradient stays None, never a zero token shard
-        return out, out.new_zeros(()).expand(dout_heads_shape(call.setup, out))
+        shape_u, shape_r = dout_first_shapes(call.setup, out)
+        one = out.new_zeros(())
+        return out, one.expand(shape_u), one.expand(shape_r)
 
     @staticmethod
-    def backward(ctx, _: None, dout_u: Tensor | None):
+    def backward(ctx, _: None, dout_u: Tensor | None, dout_r: Tensor | None):
         refuse_double_backward("seqpar attention")
         if dout_u is None:  # the output took no part in what was differentiated
             return None, None, None, None, None, None
-        q, k, v, out, sinks, lse_body, lse_replicated = ctx.saved_tensors
-        shapes = (q.shape, k.shape, v.shape)
-        if ctx.hand_over.take():  # Note [Saved tensors handed over]
-            tokens = [q, k, v, out]
+        q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
+        first = (dout_u, dout_r)
+        if ctx.hand_over is not None and ctx.hand_over.take():  # Note [Saved tensors handed over]
+            tokens, shapes = [q, k, v, out], (q.shape, k.shape, v.shape)
             del q, k, v, out
             grads = hybrid_backward(ctx.setup, None, None, None, None, sinks, None, lse_body, lse_replicated, (),
-                                    shapes, tokens, dout_u)
+                                    shapes, tokens, first)
         else:
-            grads = hybrid_backward(ctx.setup, None, q, k, v, sinks, out, lse_body, lse_replicated, dout_u=dout_u)
+            grads = hybrid_backward(ctx.setup, None, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads),
+                                    dout_first=first)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
 
 
 class _DoutToHeads(torch.autograd.Function):
     """The node after :class:`_AttentionDoutFirst`: passes ``out`` on (an alias) and in the
-    backward exchanges dout to head shards, returned through the handle, so that autograd frees
-    the token-sharded dout before the attention backward runs; saves nothing."""
+    backward splits dout into the shard's rows exchanged to head shards and the replicated rows
+    (:func:`~seqpar.parallel.hybrid.dout_first`), returned through the handles, so that autograd
+    frees the token-sharded dout before the attention backward runs; saves nothing."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, handle: Tensor, call: PreparedCall) -> Tensor:
+    def forward(ctx, out: Tensor, handle_u: Tensor, handle_r: Tensor, call: PreparedCall) -> Tensor:
         ctx.setup = call.setup
         return out.detach()  # an alias sharing out's version counter: in-place changes are caught
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
-        return None, dout_to_heads(ctx.setup, dout), None
+        return None, *dout_first(ctx.setup, dout), None
 
 
 class _ToHeadShards(torch.autograd.Function):
@@ -178,15 +186,17 @@ class _ToTokenShard(torch.autograd.Function):
 
 
 def _apply(call: PreparedCall, sinks: Tensor | None) -> Tensor:
-    """The eager autograd graph of a prepared call: one node, or three around the head shards."""
+    """The eager autograd graph of a prepared call: one node without Ulysses, three around the
+    head shards with ``keep_head_shards`` (and no replicated rows), else two (Note [Dout
+    exchanged first])."""
     if splits_at_heads(call.setup):
         q_u, k_u, v_u = _ToHeadShards.apply(call.qb, call.kb, call.vb, call)
         return _ToTokenShard.apply(_HeadShardsAttention.apply(q_u, k_u, v_u, sinks, call), call)
-    if not hands_over(call.setup):
+    if not exchanges_dout_first(call.setup):
         return _Attention.apply(call.qb, call.kb, call.vb, sinks, call)
-    with HandOver() as hand_over:  # Note [Saved tensors handed over]
-        out, handle = _AttentionDoutFirst.apply(call.qb, call.kb, call.vb, sinks, call, hand_over)
-    return _DoutToHeads.apply(out, handle, call)  # Note [Dout exchanged first]
+    with HandOver() if hands_over(call.setup) else contextlib.nullcontext() as hand_over:
+        out, *handles = _AttentionDoutFirst.apply(call.qb, call.kb, call.vb, sinks, call, hand_over)
+    return _DoutToHeads.apply(out, *handles, call)  # Note [Dout exchanged first]
 
 
 def attention(

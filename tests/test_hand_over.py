@@ -1,12 +1,14 @@
 """The Ulysses backward takes over the saved token shards and frees each once it is sent (Note
-[Saved tensors handed over] in ``seqpar/saved.py``).
+[Saved tensors handed over] in ``seqpar/saved.py``), and its incoming dout once exchanged (Note
+[Dout exchanged first] in ``seqpar/parallel/hybrid.py``).
 
 On 1 x U and 2 x 2 splits (U = 2, 3, 4) with GQA and an odd length, float64 against the
-single-device reference: the token shards of q, k, v and out are gone when the kernels run; with
-``retain_graph=True`` they are kept and a second backward gives the same gradients; under
-``save_on_cpu`` and non-reentrant checkpointing (other saved-tensor hooks) the hand-over stands
-aside and results stay exact; a saved tensor modified in place raises; ring-only states and
-``keep_head_shards`` do not use it.
+single-device reference: the token shards of q, k, v, out and dout are gone when the kernels run;
+with ``retain_graph=True`` q, k, v and out are kept and a second backward gives the same
+gradients; under ``save_on_cpu`` and non-reentrant checkpointing (other saved-tensor hooks) the
+hand-over stands aside and results stay exact, while dout still goes; a saved tensor modified in
+place raises; ring-only states and ``keep_head_shards`` do not use the hand-over. Joint attention
+(replicated text rows, 1 x 3, 1 x 4, 2 x 2, with and without ``keep_head_shards``) frees dout too.
 """
 
 from __future__ import annotations
@@ -170,3 +172,60 @@ def test_only_ulysses_without_kept_head_shards_hands_over(pools):
     assert pools(2).run(_rank_not_used, False, 1) == [1, 1]
     assert pools(2).run(_rank_not_used, True, 1) == [0, 0]  # the head shards are saved instead
     assert pools(2).run(_rank_not_used, False, 2) == [0, 0]  # the ring needs q, k, v, out throughout
+
+
+def _rank_joint(keep: bool) -> list[tuple[str, dict]]:
+    """Joint attention (replicated text rows, no hand-over): whether the incoming token-sharded
+    dout is alive when the kernels run (Note [Dout exchanged first]), and the error against the
+    single-device float64 reference. The layer's output goes through a scalar multiply, so its
+    incoming dout is held by autograd alone; each rank's loss counts the replicated rows
+    ``1 / cp`` times, and the gradients of the whole tensors are summed over the group."""
+    n, P = dist.get_world_size(), 5
+    splits = [(1, n)] + ([(2, 2)] if n == 4 else [])
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.cat([torch.randn(1, P, t.shape[2], D, generator=gen, dtype=torch.float64), t], 1) for t in _inputs()]
+    ref = [t.clone().requires_grad_() for t in full[:3]]
+    reference_attention(*ref).backward(full[3])
+    results = []
+    for R, U in splits:
+        state = ParallelState(R, U, keep_head_shards=keep)
+
+        def local(t):  # the replicated text rows, then this rank's shard of the rest
+            return torch.cat([t[:, :P], seqpar.shard(t[:, P:], state)], 1)
+
+        leaves = [t.clone().requires_grad_() for t in full[:3]]
+        weight = torch.ones(P + S, dtype=torch.float64)
+        weight[:P] = 1 / state.cp_size
+        dout = local(full[3] * weight[None, :, None, None])
+        received: list[StorageWeakRef] = []
+        alive: list[bool] = []
+        original_kernels = ulysses_mod.heads_backward
+
+        def spy_kernels(*args, **kwargs):
+            alive.append(not received[0].expired())
+            return original_kernels(*args, **kwargs)
+
+        out = seqpar.attention(*(local(t) for t in leaves), state, replicated_prefix=P)
+        out.register_hook(lambda g: received.append(StorageWeakRef(g.untyped_storage())))  # the incoming dout
+        y = out.mul(1.0)
+        del out
+        ulysses_mod.heads_backward = spy_kernels
+        try:
+            y.backward(dout)
+        finally:
+            ulysses_mod.heads_backward = original_kernels
+        for t in leaves:
+            dist.all_reduce(t.grad)
+        err = max((t.grad - r.grad).abs().max().item() for t, r in zip(leaves, ref))
+        results.append((f"{R}x{U}", {"err": err, "alive": alive}))
+        state.close()
+    return results
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("world", [3, 4])
+def test_joint_attention_frees_dout_before_the_kernels(pools, world, keep):
+    for rank, results in enumerate(pools(world).run(_rank_joint, keep)):
+        for split, r in results:
+            assert r["err"] < 1e-10, (rank, split, keep, r)
+            assert r["alive"] == [False], (rank, split, keep, r)

@@ -42,7 +42,7 @@ from .ulysses import UlyssesSetup, heads_backward, heads_forward, ulysses_ring_b
 __all__ = [
     "HybridSetup", "hybrid_forward", "hybrid_backward", "splits_at_heads", "to_head_shards",
     "head_grads_to_tokens", "head_shards_forward", "head_shards_backward", "out_to_tokens", "dout_to_heads",
-    "dout_heads_shape", "hands_over",
+    "exchanges_dout_first", "dout_first_shapes", "dout_first", "hands_over",
 ]
 
 
@@ -116,24 +116,26 @@ def splits_at_heads(setup: HybridSetup) -> bool:
 # Autograd holds a node's incoming gradient until its backward returns. A Ulysses call's backward
 # exchanges dout to the head shards, and from then on the token-sharded dout is dead, but as the
 # one node's incoming gradient it was held through the kernels -- next to dout_u, one
-# output-sized tensor more at the backward's peak. An eager call that hands over its token shards
-# (:func:`hands_over`) is therefore two nodes:
+# output-sized tensor more at the backward's peak. An eager Ulysses call that does not split at
+# the head shards (:func:`exchanges_dout_first`) is therefore two nodes:
 #
-#   q, k, v --attention--> out, handle --pass-through--> out (an alias: in-place changes are caught)
-#             (saves q, k, v, out,          backward: dout -> dout_u (:func:`dout_to_heads`),
-#              the LSEs; its backward       returned as the handle's gradient
-#              gets dout_u, not dout)
+#   q, k, v --attention--> out, handles --pass-through--> out (an alias: in-place changes are caught)
+#             (saves q, k, v, out,           backward: dout -> (dout_u, dout_r) (:func:`dout_first`),
+#              the LSEs; its backward        returned as the handles' gradients
+#              gets dout_u, dout_r)
 #
-# The handle is a storage-less ``[B, L, H_mine, Dv]`` tensor (one expanded element), the shape of
-# dout_u, so autograd passes dout_u on as its gradient; the output's own gradient stays None.
-# When the second node returns, autograd frees dout unless something else holds it (a caller's
-# own ``out.backward(dout)`` tensor, a residual branch's gradient passed on as is); in a layer
-# with an output projection, dout is that projection's input gradient and goes. Measured, one
-# rank of 1 x 8 of ``scripts/bench_memory.py``'s 4-layer stack, S = 4096, H = 8, Hkv = 2: the
-# peak fell 17.58 -> 16.58 token shards of x (``docs/performance.md``). The exchanges, their
-# order of kernels and the results are unchanged; dout now travels before q, k, v, out instead of
-# after them. ``seqpar.compiled`` keeps the one-node form (one operator), as do calls that do not
-# hand over (``keep_head_shards`` splits at the head shards instead; replicated rows).
+# The handles are storage-less tensors (one expanded element each) of the shapes of dout_u
+# ``[B, L, H_mine, Dv]`` and of the replicated rows' dout ``[B, prefix + suffix, H, Dv]`` (no rows
+# without joint attention), so autograd passes them on as their gradients; the output's own
+# gradient stays None. When the second node returns, autograd frees dout unless something else
+# holds it (a caller's own ``out.backward(dout)`` tensor, a residual branch's gradient passed on
+# as is); in a layer with an output projection, dout is that projection's input gradient and
+# goes. Measured, one rank of 1 x 8 of ``scripts/bench_memory.py``'s 4-layer stack, S = 4096,
+# H = 8, Hkv = 2: the peak fell 17.58 -> 16.58 token shards of x (``docs/performance.md``). The
+# exchanges, the kernels and the results are unchanged (bitwise); dout now travels before q, k,
+# v, out instead of after them. ``seqpar.compiled`` keeps the one-node form (one operator), and
+# ``keep_head_shards`` without replicated rows its three nodes (Note [Head shards as a node]),
+# whose last one frees dout the same way.
 
 
 def to_head_shards(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -181,11 +183,29 @@ def out_to_tokens(setup: HybridSetup, out_u: Tensor, num_heads: int) -> Tensor:
         return setup.ulysses.to_tokens([out_u], num_heads)
 
 
-def dout_heads_shape(setup: HybridSetup, out: Tensor) -> torch.Size:
-    """The shape of :func:`dout_to_heads`'s result for the token shard ``out`` ``[B, S_local, H,
-    Dv]``: ``[B, L, H_mine, Dv]``, all ``L`` ring-local tokens of this rank's query heads."""
-    spec = setup.ulysses
-    return torch.Size((out.shape[0], sum(spec.token_sizes), spec.mine.q_len, out.shape[-1]))
+def exchanges_dout_first(setup: HybridSetup) -> bool:
+    """Whether an eager call exchanges dout in an autograd node of its own (Note [Dout exchanged
+    first]): every Ulysses call that does not split at the head shards."""
+    return setup.ulysses is not None and not splits_at_heads(setup)
+
+
+def dout_first_shapes(setup: HybridSetup, out: Tensor) -> tuple[torch.Size, torch.Size]:
+    """The shapes of :func:`dout_first`'s results for the token shard ``out`` ``[B, S_local, H,
+    Dv]``: ``[B, L, H_mine, Dv]`` (all ``L`` ring-local tokens of this rank's query heads) and
+    ``[B, prefix + suffix, H, Dv]`` (the replicated rows)."""
+    spec, p, s = setup.ulysses, setup.prefix, setup.suffix
+    B, _, H, Dv = out.shape
+    return torch.Size((B, sum(spec.token_sizes), spec.mine.q_len, Dv)), torch.Size((B, p + s, H, Dv))
+
+
+def dout_first(setup: HybridSetup, dout: Tensor) -> tuple[Tensor, Tensor]:
+    """The token shard's dout ``[B, S_local, H, Dv]`` as the backward needs it (Note [Dout
+    exchanged first]): ``(dout_u, dout_r)``, the shard's rows exchanged to this rank's heads
+    (:func:`dout_to_heads`) and a copy of the replicated rows (prefix then suffix; zero rows
+    without them), both tensors of their own."""
+    p, s = setup.prefix, setup.suffix
+    dout_r = _replicated_rows(dout, p, s)
+    return dout_to_heads(setup, dout[:, p:dout.shape[1] - s]), dout_r
 
 
 def dout_to_heads(setup: HybridSetup, dout: Tensor) -> Tensor:
@@ -218,13 +238,13 @@ def hybrid_backward(
     setup: HybridSetup, dout: Tensor | None, q: Tensor | None, k: Tensor | None, v: Tensor | None,
     sinks: Tensor | None, out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor,
     heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (), tokens: list[Tensor] | None = None,
-    dout_u: Tensor | None = None,
+    dout_first: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward (see :func:`_hybrid_backward`), its transfer buffers in one workspace
     scope (Note [Workspace])."""
     with _scope(setup):
         return _hybrid_backward(
-            setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes, tokens, dout_u
+            setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes, tokens, dout_first
         )
 
 
@@ -269,14 +289,16 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
 def _hybrid_backward(
     setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
-    shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None, dout_u: Tensor | None = None,
+    shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None,
+    dout_first: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward from :func:`hybrid_forward`'s results; no autograd. Given the head
     shards ``heads`` and no replicated rows, ``q, k, v, out`` may be None; ``shapes`` are then
     q's, k's, v's. They are None too given ``tokens``, a list ``[q, k, v, out]`` the backward
     empties as it sends them (:func:`hands_over` calls only; Note [Saved tensors handed over]).
-    ``dout_u``: instead of ``dout`` (None then), dout already exchanged to this rank's heads by
-    :func:`dout_to_heads` (Ulysses without replicated rows; Note [Dout exchanged first]).
+    ``dout_first``: instead of ``dout`` (None then), :func:`dout_first`'s ``(dout_u, dout_r)``:
+    the shard's rows of dout already exchanged to this rank's heads, and its replicated rows
+    (Ulysses only; Note [Dout exchanged first]).
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
@@ -285,24 +307,25 @@ def _hybrid_backward(
         rank that holds no query head (``H < ulysses_size``).
     """
     p, s = setup.prefix, setup.suffix
-    if dout_u is not None and setup.ulysses is None:
-        raise ValueError("hybrid_backward: dout_u (dout exchanged to head shards) needs a Ulysses group")
+    if dout_first is not None and setup.ulysses is None:
+        raise ValueError("hybrid_backward: dout_first (dout exchanged to head shards) needs a Ulysses group")
+    dout_u, dout_r = dout_first if dout_first is not None else (None, None)
     if setup.replicated is None:
         dq, dk, dv, dsinks, _, _ = _body_backward(
             setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes, tokens, dout_u
         )
         return dq, dk, dv, dsinks
-    if tokens is not None or dout_u is not None:
-        raise ValueError("hybrid_backward: tokens and dout_u are handed over only without replicated rows "
-                         "(hands_over)")
+    if tokens is not None:
+        raise ValueError("hybrid_backward: tokens are handed over only without replicated rows (hands_over)")
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
     dq_b, dk_b, dv_b, ds_b, dk_rb, dv_rb = _body_backward(
-        setup, dout[:, rows], q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r, out[:, rows], lse_body, heads
+        setup, None if dout_u is not None else dout[:, rows], q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r,
+        out[:, rows], lse_body, heads, dout_u=dout_u,
     )
     dq_r, dk_r, dv_r, dk_br, dv_br, ds_r = replicated_backward(
-        _replicated_rows(dout, p, s), q_r, k_r, v_r, k[:, rows], v[:, rows], sinks, _replicated_rows(out, p, s),
-        lse_replicated, setup.replicated,
+        dout_r if dout_r is not None else _replicated_rows(dout, p, s), q_r, k_r, v_r, k[:, rows], v[:, rows], sinks,
+        _replicated_rows(out, p, s), lse_replicated, setup.replicated,
     )
     dsinks = None if sinks is None else ds_b + ds_r
     return (
