@@ -108,7 +108,8 @@ def splits_at_heads(setup: HybridSetup) -> bool:
 # gradients go back one tensor at a time. One node would hold all of it through the gradients'
 # all-to-all (a quarter of a call's peak, ``docs/performance.md``). The pieces are the ones
 # ``hybrid_forward`` / ``hybrid_backward`` compose (same exchanges and kernels, same order);
-# ``seqpar.compiled`` keeps the one-node form (one operator), as do calls with replicated rows.
+# ``seqpar.compiled`` keeps the one-node form (one operator); calls with replicated rows are the
+# two nodes of Note [Dout exchanged first].
 
 
 # Note [Dout exchanged first]
@@ -287,7 +288,7 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
 
 
 def _hybrid_backward(
-    setup: HybridSetup, dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
+    setup: HybridSetup, dout: Tensor | None, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
     out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
     shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None,
     dout_first: tuple[Tensor, Tensor] | None = None,
