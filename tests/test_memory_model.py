@@ -226,7 +226,8 @@ def test_calibration_reproduces_a_measured_line():
 # --reserve-mib 16, whose fit peaks were the same to the byte).
 _H200_PEAKS = {
     False: {40960: 9126135296, 47111: 9910611456, 53248: 10689491456, 59999: 11551490048, 65536: 12253164032,
-            53602: 10740363264, 58963: 11420282368, 53470: 10719972864, 58818: 11404275712},
+            53602: 10740363264, 58963: 11420282368, 53470: 10719972864, 58818: 11404275712,
+            53490: 10723296768, 58840: 11405341696},
     True: {40960: 8790590976, 47111: 9524682240, 53248: 10253283840, 59999: 11059978240, 65536: 11716293120,
            57289: 10739548160, 63018: 11418382336},
 }
@@ -265,22 +266,20 @@ def test_gpu_calibration_predicts_the_measured_h200_peaks(offload):
     assert abs(cal.overhead_bytes - GPU_CALIBRATION.overhead_bytes) < 8 * 2**20
 
 
-# The same stack at other splits, same machine type and options (`--ring R --ulysses U`, with
-# --validate-with shipped in the second lease; the lengths both leases ran read the same peaks to
-# the byte): (R, U, offload) -> {tokens per rank: peak}.
+# The same stack at other splits, same machine type and options (`--ring R --ulysses U`), measured
+# in a fourth lease after Ulysses began exchanging dout first and freeing its own K/V before the
+# ring's last step (the earlier leases' peaks were 3-8% higher): fits at 40,960, 53,248 and 65,536
+# tokens per rank validated with their own fit (--validate-with fit: the last two lengths of each);
+# 1 x 8 with offload and 8 x 8 fitted only: (R, U, offload) -> {tokens per rank: peak}.
 _H200_SPLIT_PEAKS = {
-    (1, 8, False): {40960: 9466398208, 44472: 9947454976, 47111: 10300659712, 48920: 10545892352,
-                    50177: 10716423168, 53248: 11132514816, 55195: 11402349056, 59999: 12049733632,
-                    65536: 12798423552},
-    (1, 8, True): {40960: 9130853888, 46987: 9903657472, 47111: 9914726400, 51686: 10499045888,
-                   53248: 10696307200, 59999: 11558221824, 65536: 12261552640},
-    (2, 4, False): {39505: 9672396800, 40960: 9881110016, 43456: 10249401856, 43622: 10271862272,
-                    47111: 10777368064, 47985: 10907598848, 53248: 11670958592, 59999: 12660553728,
-                    65536: 13461123584},
-    (4, 2, False): {39505: 10075879424, 40960: 10300540416, 43456: 10694657536, 43622: 10718551552,
-                    47111: 11261361664, 47985: 11398965248, 53248: 12216218112, 59999: 13274943488,
-                    65536: 14132212224},
-    (8, 8, False): {40960: 10300540416, 43622: 10718551552, 47111: 11259520512, 47985: 11398965248},
+    (1, 8, False): {40960: 9130853888, 53248: 10696307200, 65536: 12261552640, 53439: 10724364800,
+                    58783: 11406002688},
+    (1, 8, True): {40960: 8795309568, 65536: 11724681728},
+    (2, 4, False): {40960: 9377793536, 53248: 11016647168, 65536: 12655817216, 51026: 10723932160,
+                    56129: 11407656448},
+    (4, 2, False): {40960: 9964996096, 53248: 11780010496, 65536: 13595341312, 46074: 10720962560,
+                    50682: 11401398272},
+    (8, 8, False): {40960: 9964996096, 47111: 10873587200},
 }
 
 
@@ -288,22 +287,22 @@ _H200_SPLIT_PEAKS = {
 def test_gpu_split_factors_predict_the_measured_h200_peaks(split):
     """GPU_CALIBRATION's factor for each kind of split reproduces the H200 peaks of that kind:
     Ulysses 8 (with and without offload), 4 x 2 and 8 x 8 within 0.05% (8 x 8 was never fitted:
-    it reads 4 x 2's peaks to the byte at three of four lengths). The hybrid factor is 4 x 2's,
-    the larger: at 2 x 4 the model errs high, by 4-5% (a ring of 2 holds fewer transfer buffers),
+    it reads 4 x 2's peak to the byte at 40,960 tokens). The hybrid factor is 4 x 2's, the
+    larger: at 2 x 4 the model errs high, by 6-7% (a ring of 2 holds fewer transfer buffers),
     never low."""
     R, U, offload = split
     shape, options = _h200_stack(R, U, offload)
     p = longest_context(shape, device_bytes=10 * GiB, reserve_bytes=0, calibration=GPU_CALIBRATION, **options)
     ratios = {t: peak / p.device_bytes_at(t) for t, peak in _H200_SPLIT_PEAKS[split].items()}
     if (R, U) == (2, 4):
-        assert all(0.95 < r < 1.0 for r in ratios.values()), ratios
+        assert all(0.92 < r < 1.0 for r in ratios.values()), ratios
     else:
         assert all(abs(r - 1.0) < 5e-4 for r in ratios.values()), ratios
     # The factor refitted from these peaks is the shipped one of the kind (2 x 4: lower).
     cal = _refit(_H200_SPLIT_PEAKS[split], shape, options)
     shipped = GPU_CALIBRATION.factor_for(R, U)
     if (R, U) == (2, 4):
-        assert 0.9 * shipped < cal.layer_factor < shipped
+        assert 0.85 * shipped < cal.layer_factor < shipped
     else:
         assert cal.layer_factor == pytest.approx(shipped, abs=2e-3)
     assert abs(cal.overhead_bytes - GPU_CALIBRATION.overhead_bytes) < 8 * 2**20

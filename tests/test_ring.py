@@ -19,7 +19,7 @@ from seqpar import ParallelState
 from seqpar.backends import get_backend
 from seqpar.backends.reference import reference_attention
 from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_plan, split_sizes
-from seqpar.placement.ring import BlockCall, tile_pairs
+from seqpar.placement.ring import SPLIT_KEYS_FROM, BlockCall, tile_pairs
 from seqpar.parallel.ring import RingSetup, ring_backward, ring_forward
 
 _HEADS = [(h, hkv) for h in (1, 3, 4, 6, 8) for hkv in sorted({1, 2, h}) if h % hkv == 0]
@@ -340,7 +340,32 @@ def test_double_backward_is_refused():
         assert math.isfinite(g.sum().item())
 
 
-def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_grouped_gradients_of_expanding_kernels_run_in_key_halves(pools, kv_heads):
+    # A backend whose grouped-query backward holds dK/dV expanded to the query heads (here the
+    # reference one; FlashAttention on CUDA) would hold group x a step's keys of scratch for a
+    # whole-step call: with GQA a wide remote block runs as two key halves written into a send
+    # slot (on an H200, ring 8 of a Llama-8B-shaped stack: 8.734 -> 8.499 GiB per rank at 40,960
+    # tokens). Without GQA nothing is expanded and the results travel as computed.
+    seq_len = 1601  # ring of 3: remote steps of up to 534 key rows, above SPLIT_KEYS_FROM
+    results = pools(3).run(_sent_gradients_case, seq_len, False, "reference", kv_heads)
+    wide = []  # per rank: the key rows of its kernel calls that read SPLIT_KEYS_FROM rows or more
+    for rank, r in enumerate(results):
+        assert r["err"] < 1e-10, (rank, r)
+        assert r["sends"] == 2, (rank, r)
+        wide.append([rows for rows in r["key_rows"] if rows[0] >= SPLIT_KEYS_FROM])
+    if kv_heads == 2:  # grouped: a wide step runs in halves copied into a send slot; a narrow one
+        # still travels as computed
+        assert all(len(w) == 1 for w in wide), wide  # step 0's own causal block only
+        assert any(r["sent_kernel_results"] < r["sends"] for r in results), results
+        assert any(any(x.startswith("ring.send_grad_k") for x in r["roles"]) for r in results), results
+    else:
+        assert all(r["sent_kernel_results"] == r["sends"] for r in results), results
+        assert not any(any(x.startswith("ring.send_grad") for x in r["roles"]) for r in results), results
+        assert any(len(w) > 1 for w in wide), wide  # a remote step's one call over its keys
+
+
+def _sent_gradients_case(seq_len: int, packed: bool, backend: str = "cpu", kv_heads: int = 2) -> dict:
     """One causal ring call with spies on the backward (Note [Gradients sent as computed]): what
     ``_remote_grads`` returns for sending, which kernel results and workspace roles it made."""
     import seqpar.parallel.ring as ring_mod
@@ -365,7 +390,7 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
     ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer = spy_call, spy_remote, spy_buffer
     try:
         state = ParallelState(ring_size=torch.distributed.get_world_size())
-        q, k, v, dout = _full_inputs(seq_len, 1, 4, 2, 8, seed=11)
+        q, k, v, dout = _full_inputs(seq_len, 1, 4, kv_heads, 8, seed=11)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         if packed:
             lens = [seq_len // 3, seq_len - seq_len // 3]
@@ -376,7 +401,7 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
                 return seqpar.shard_packed(t[0], state, lens)
 
             local = [shard(t).requires_grad_() for t in (q, k, v)]
-            out = seqpar.varlen_attention(*local, state, lens, causal=True, backend="cpu")
+            out = seqpar.varlen_attention(*local, state, lens, causal=True, backend=backend)
         else:
             ref = reference_attention(*leaves, causal=True)
 
@@ -384,7 +409,7 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
                 return seqpar.shard(t, state)
 
             local = [shard(t).requires_grad_() for t in (q, k, v)]
-            out = seqpar.attention(*local, state, causal=True, backend="cpu", seq_len=seq_len)
+            out = seqpar.attention(*local, state, causal=True, backend=backend, seq_len=seq_len)
         out.backward(shard(dout))
         ref.backward(dout)
         want = [shard(t) for t in (ref.detach(), *(t.grad for t in leaves))]
@@ -398,6 +423,7 @@ def _sent_gradients_case(seq_len: int, packed: bool) -> dict:
         "sent_kernel_results": sum(id(gk) in results and id(gv) in results for gk, gv in sent),
         "sent_contiguous": all(gk.is_contiguous() and gv.is_contiguous() for gk, gv in sent),
         "roles": sorted(set(roles)),
+        "key_rows": [tuple(t.shape[1] for t in pair) for pair in kernel_results],
     }
 
 

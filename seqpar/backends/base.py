@@ -438,6 +438,12 @@ class KernelBackend(AttentionBackend):
 
     #: Whether varlen calls read the per-sequence lengths on the host (``Packing.lens``).
     host_lengths: ClassVar[bool] = False
+    #: Whether a grouped-query backward (fewer K/V heads than query heads) holds dK/dV expanded
+    #: to the query heads while it runs (FlashAttention's GQA path, or K/V repeated before the
+    #: kernel): its scratch grows with the key rows times the group, so the ring runs a step's
+    #: wide blocks in two key halves (Note [Gradients sent as computed] in
+    #: ``seqpar.parallel.ring``). ``True`` unless the kernel accumulates into the K/V heads.
+    backward_expands_kv_heads: ClassVar[bool] = True
 
     @classmethod
     def unsupported_reason(

@@ -363,6 +363,7 @@ class CpuFlashBackend(KernelBackend):
 
     name = "cpu"
     host_lengths = True  # the plan (Note [CPU varlen]) is host index maths
+    backward_expands_kv_heads = False  # PyTorch's CPU kernel adds each query head into its K/V head
 
     @classmethod
     def unsupported_reason(

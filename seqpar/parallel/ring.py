@@ -52,6 +52,17 @@ the accumulator dtype. Measured at S = 4096, H = 8, D = 64, fp32, causal, 4 rank
 (``scripts/bench_memory.py``, docs/performance.md): the ring's peak per rank fell 3-11% (H = Hkv
 dense 29.0 -> 27.0 MiB, packed 37.8 -> 33.8 MiB).
 
+A grouped-query step (fewer K/V heads than query heads) on a backend whose backward expands K/V
+heads (``KernelBackend.backward_expands_kv_heads``: FlashAttention on CUDA keeps dK/dV of all
+query heads while it runs, the efficient and reference kernels repeat K/V first) is the
+exception: a whole-step call's scratch is ``2 * group`` K/V-sized tensors over every key row, so
+its wide blocks run as two key halves into a send slot instead. In units of one K/V-sized tensor
+of the step that is ``5 + group`` at the kernel (two slots, half the scratch, half the results)
+against ``4 + 2 * group`` sent as computed: less from a group of 2. Measured on one H200 (ring 8
+of a Llama-8B-shaped stack, group 4, bf16, 40,960 tokens per rank): 8.734 GiB sent as computed,
+8.499 GiB in halves. The PyTorch CPU kernel adds each query head into its K/V head (no expanded
+scratch), so on the CPU grouped steps travel as computed too.
+
 Note [Step buffers released]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A remote step's K/V buffers are read for the last time by its kernels. The backward drops its
@@ -338,7 +349,8 @@ def _remote_grads(run: RingSetup, slot: int, like: tuple[Tensor, Tensor], kv_len
     ``slot``: the step's send slot (0 or 1), alternated for the buffers a kept workspace would
     reuse while the previous step's are in flight."""
     k_own, v_own = like
-    if sent_as_computed(calls, kv_len):
+    expanded = run.backend.backward_expands_kv_heads and q.shape[2] > k_own.shape[2]
+    if sent_as_computed(calls, kv_len, expanded=expanded):
         # One kernel call whose results are every row: they travel as they are.
         rows, _, g_q, g_k, g_v = _call_backward(run, calls[0], dout, q, k, v, out, lse, cache)
         dq.add(rows, g_q)

@@ -486,10 +486,14 @@ def split_wide_blocks(calls: tuple[Call, ...] | list[Call]) -> list[Call]:
     return out
 
 
-def sent_as_computed(calls, kv_len: int) -> bool:
+def sent_as_computed(calls, kv_len: int, *, expanded: bool = False) -> bool:
     """Whether a remote step's dK/dV are one kernel call's results as they are: the step is one
-    block over all ``kv_len`` key rows (Note [Gradients sent as computed] in
-    ``seqpar.parallel.ring``)."""
+    block over all ``kv_len`` key rows, and the kernel's backward does not hold them ``expanded``
+    to the query heads (a grouped-query call on a backend whose backward expands K/V heads runs
+    a wide block as two key halves into a send slot instead; Note [Gradients sent as computed]
+    in ``seqpar.parallel.ring``)."""
+    if expanded and any(len(split_wide_blocks([c])) > 1 for c in calls):
+        return False
     return len(calls) == 1 and isinstance(calls[0], BlockCall) and (calls[0].k0, calls[0].k1) == (0, kv_len)
 
 

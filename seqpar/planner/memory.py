@@ -252,8 +252,9 @@ CPU_CALIBRATION = Calibration(
 # lengths, two of them off the 4,096-token grid), every gradient allocated before the step.
 # layer_factor and the overhead: ring 8 x 1 (the fit with the checkpoints in host memory, offload,
 # read the same factor and overhead to five digits). split_factors: the same stack at 1 x 8
-# (0.68304; with offload the same), 2 x 4 (0.64976) and 4 x 2 (0.70107), whose fitted overheads
-# were within 3 MiB of ring 8's; "hybrid" is the larger of the two (a ring of 2 has no step whose
+# (0.63593; with offload the same), 2 x 4 (0.58761) and 4 x 2 (0.65962; 8 x 8 the same), refitted
+# after Ulysses began exchanging dout first and freeing its own K/V early; their fitted overheads
+# are within 3 MiB of ring 8's. "hybrid" is the larger of the two (a ring of 2 has no step whose
 # transfers overlap the previous step's, so fewer ring buffers are alive), which errs high for a
 # ring of 2. The model is within 0.05% of every peak of its split (docs/performance.md, "On a GPU").
 GPU_CALIBRATION = Calibration(
@@ -261,7 +262,7 @@ GPU_CALIBRATION = Calibration(
     overhead_bytes=69_849_186,
     source="scripts/bench_longest.py, one H200, bf16, 2 Llama-8B-shaped layers, MLP in 64 chunks: ring 8 x 1; "
            "split factors at 1 x 8, 2 x 4, 4 x 2",
-    split_factors=(("ulysses", 0.68304), ("hybrid", 0.70107)),
+    split_factors=(("ulysses", 0.63593), ("hybrid", 0.65962)),
 )
 
 

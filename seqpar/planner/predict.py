@@ -359,7 +359,8 @@ def predict(
         },
         ulysses_bytes=max(a2a_bytes),
         ring_bytes=max(ring_bytes),
-        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None, keep, serial),
+        memory_bytes=_memory(shape, placement, plans, heads, acc, width if allgather else None, keep, serial,
+                             cost.device != "cpu"),
         imbalance=imbalance(work),
         heads=tuple(h),
         kv_heads=tuple(a.kv_len for a in heads),
@@ -373,7 +374,7 @@ def predict(
 
 def _memory(
     shape: Shape, placement: Placement, plans: tuple[RingPlan, ...], heads: list[HeadAssignment], acc: int,
-    gather_width: int | None = None, keep_head_shards: bool = False, serial: bool = False,
+    gather_width: int | None = None, keep_head_shards: bool = False, serial: bool = False, expands: bool = False,
 ) -> int:
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
@@ -383,7 +384,8 @@ def _memory(
     head-sharded inputs and :func:`_ring_peak`), and the way back (the head-sharded gradients,
     the staging of one of them, and the shard's dq, dk, dv). ``gather_width``: the all-gather
     transport's slot rows (Note [All-gather K/V]), whose buffers replace the ring's step buffers;
-    ``serial``: the ring without overlap (Note [Serial ring]).
+    ``serial``: the ring without overlap (Note [Serial ring]); ``expands``: the device's kernels
+    expand K/V heads in the backward (every CUDA backend, ``KernelBackend.backward_expands_kv_heads``).
     """
     R, U = placement.ring_size, placement.ulysses_size
     H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
@@ -409,14 +411,15 @@ def _memory(
                 if h and not keep_head_shards:  # the ring frees the K/V the kernels read once sent
                     own = 2 * L * (a.kv_len if a.kv_index is None else kv) * unit * e  # (Note [Own K/V released])
                     at_kernel -= own
-                ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial, own) if h else 0
+                ring = _ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial, own, expands) if h else 0
                 moments = (
                     inputs + local * H * unit * e,  # their exchange: one staging copy at a time
                     at_kernel + ring,
                     L * (h + 2 * a.kv_len + max(h, a.kv_len)) * unit * e + grads,  # dq, dk, dv back
                 )
             else:
-                moments = (_ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial) if h else 0, grads)
+                moments = (_ring_peak(plan, h, kv, unit, B, e, acc, gather_width, serial, 0, expands) if h else 0,
+                           grads)
             worst = max(worst, held + max(moments))
     return worst
 
@@ -427,7 +430,7 @@ def _results(call, h: int, kv: int, unit: int, e: int) -> int:
 
 
 def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, acc: int,
-               gather_width: int | None, serial: bool = False, own: int = 0) -> int:
+               gather_width: int | None, serial: bool = False, own: int = 0, expands: bool = False) -> int:
     """Peak bytes of the ring backward's own buffers on one rank (``h`` query and ``kv`` K/V heads
     of ``unit = D * batch`` elements per row), step by step as ``ring_backward`` runs
     (Notes [Ring schedule], [Gradients sent as computed], [Step buffers released]): the fp32
@@ -439,11 +442,13 @@ def _ring_peak(plan: RingPlan, h: int, kv: int, unit: int, batch: int, e: int, a
     arriving. ``serial`` (Note [Serial ring]): no next step's K/V and no previous
     step's dK/dV, but the step's own K/V arriving next to the staging of the rows it sends.
     ``own``: bytes of this rank's K/V handed to the ring (Note [Own K/V released]), alive until
-    the last step's K/V have arrived (all-gather and single-step calls: throughout)."""
+    the last step's K/V have arrived (all-gather and single-step calls: throughout). ``expands``:
+    the kernels' backward expands K/V heads (``KernelBackend.backward_expands_kv_heads``), so with
+    ``h > kv`` a remote step's wide block runs as two key halves into a send slot."""
     L, steps = plan.q_len, plan.steps
 
     def sent_whole(i: int) -> bool:  # a remote step whose one kernel call's results are sent as they are
-        return i > 0 and sent_as_computed(steps[i].calls, steps[i].kv_len)
+        return i > 0 and sent_as_computed(steps[i].calls, steps[i].kv_len, expanded=expands and h > kv)
 
     def kernel_results(i: int) -> int:  # the largest call's dq, dk, dv (remote steps' wide blocks cut in two)
         calls = steps[i].calls if i == 0 or sent_whole(i) else split_wide_blocks(steps[i].calls)
