@@ -162,6 +162,19 @@ def test_default_cost_and_gpu_shapes():
 
 
 
+def test_memory_estimate_follows_the_devices_kernels():
+    # CUDA kernels expand grouped K/V heads in the backward, so a ring's wide remote steps run in
+    # key halves into a send slot (Note [Gradients sent as computed]): the estimate holds the slot
+    # and half the results there, the CPU kernel's whole-step results elsewhere. Without GQA the same.
+    h100 = CostModel.preset("h100")
+    shape = dict(seq_len=8192, num_heads=8, head_dim=64)
+    for kv, grouped in ((2, True), (8, False)):
+        cuda, cpu = (plan(4, num_kv_heads=kv, cost=c, **shape).candidate(4, 1).memory_bytes
+                     for c in (h100, replace(h100, device="cpu")))
+        # the slot's dK and dV over a step's 2,048 key rows, less half of the kernel's (bf16)
+        assert cuda - cpu == (2048 * kv * 64 * 2 if grouped else 0), (kv, cuda, cpu)
+
+
 def test_explanation_names_each_sides_ring_transfers():
     # Ulysses chosen, the all-gather hybrid the runner-up, the ring transfer the largest
     # difference: the sentence says which side has no ring, and gives each side its own bytes.

@@ -19,7 +19,7 @@ from seqpar import ParallelState
 from seqpar.backends import get_backend
 from seqpar.backends.reference import reference_attention
 from seqpar.placement import Mask, Placement, attention_work, imbalance, ring_plan, split_sizes
-from seqpar.placement.ring import SPLIT_KEYS_FROM, BlockCall, tile_pairs
+from seqpar.placement.ring import SPLIT_KEYS_FROM, BlockCall, sent_as_computed, tile_pairs
 from seqpar.parallel.ring import RingSetup, ring_backward, ring_forward
 
 _HEADS = [(h, hkv) for h in (1, 3, 4, 6, 8) for hkv in sorted({1, 2, h}) if h % hkv == 0]
@@ -338,6 +338,17 @@ def test_double_backward_is_refused():
             torch.autograd.grad(out.sum(), q, create_graph=True)
         (g,) = torch.autograd.grad(out.sum(), q)  # the plain backward still works
         assert math.isfinite(g.sum().item())
+
+
+def test_sent_as_computed_rule():
+    # A remote step of one block over all its keys travels as computed, unless the kernel expands
+    # grouped K/V heads in its backward and the block is wide enough to run in two key halves.
+    wide, narrow = BlockCall(0, 700, 0, 600, (-1, -1)), BlockCall(0, 700, 0, SPLIT_KEYS_FROM - 1, (-1, -1))
+    causal = BlockCall(0, 600, 0, 600, (-1, 0))  # masked blocks are never split
+    assert sent_as_computed([wide], 600) and not sent_as_computed([wide], 600, expanded=True)
+    assert sent_as_computed([narrow], SPLIT_KEYS_FROM - 1, expanded=True)
+    assert sent_as_computed([causal], 600, expanded=True)
+    assert not sent_as_computed([wide], 601) and not sent_as_computed([narrow, narrow], SPLIT_KEYS_FROM - 1)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
