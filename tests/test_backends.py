@@ -454,6 +454,22 @@ def test_varlen_random_lengths(name, seed):
                   seed=seed)
 
 
+@pytest.mark.parametrize("split_from", [2, None])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_cpu_varlen_causal_halves(monkeypatch, dtype_name, split_from):
+    # A long causal sequence's backward runs as three calls on its halves (Note [CPU varlen]):
+    # an odd length above the shipped threshold (the halves differ by one) next to short ones;
+    # from 2 tokens every direct sequence of the mixed case takes that path.
+    import seqpar.backends.cpu as cpu_mod
+
+    if split_from is None:
+        lens = [5, cpu_mod._SPLIT_CAUSAL_FROM + 53, 40, 3]
+    else:
+        monkeypatch.setattr(cpu_mod, "_SPLIT_CAUSAL_FROM", split_from)
+        lens = _VARLEN_CASES["mixed"][0]
+    _check_varlen("cpu", "cpu", dtype_name, lens, lens, 4, 2, 16, True)
+
+
 def test_cpu_varlen_plan_covers_every_path():
     lens = _VARLEN_CASES["mixed"][0] + [16] * 5 + [9, 10]
     plan = _plan(lens, _key_lengths(lens, False, 0))

@@ -48,6 +48,14 @@ overhead, which dominates for short sequences. ``varlen_forward``/``varlen_backw
    contribute nothing to dk/dv.
 
 Sequences with no query or no key are skipped (out 0, lse -inf, zero gradients).
+
+In the backward a causal sequence of at least ``_SPLIT_CAUSAL_FROM`` tokens runs as three calls
+on its halves (the two causal diagonals and the full block below them, the same FLOPs), each
+adding into the call's gradients: the kernel's results, the only buffer a sequence adds beyond
+the call's gradients, are then half a sequence's instead of a whole one's (a packed Ulysses
+stack at 1 x 8, Hkv 2, whose longest sequence is half of the pack: 1.5 -> 0.75 x-shards at the
+backward's peak, docs/performance.md). Measured on this CPU kernel, from 2,048 tokens the three
+calls take 0.99-1.03x the time of one; halves of 512 tokens took 1.06-1.14x, hence the threshold.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ from .base import (
 __all__ = ["CpuFlashBackend"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# A causal sequence this long runs its backward in three calls on its halves (Note [CPU varlen]).
+_SPLIT_CAUSAL_FROM = 2048
 # A sequence whose len_q * len_k reaches this gets its own kernel call (see Note [CPU varlen]).
 _DIRECT_MIN_WORK = 128 * 128
 _EXACT_UP_TO = 8
@@ -358,6 +368,28 @@ def _band_backward_into(
             del g_q, g_k, g_v
 
 
+def _causal_halves_backward_into(
+    grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, scale: float,
+) -> None:
+    """Add a causal square block's gradients into ``grads = (dq, dk, dv)`` (``[B, S, H, d]``) in
+    three calls on its halves (Note [CPU varlen]): rows ``[0, h)`` on keys ``[0, h)`` causal, rows
+    ``[h, S)`` on keys ``[0, h)`` in full and on ``[h, S)`` causal; ``lse`` as the kernel reads it."""
+    dq, dk, dv = grads
+    h = q.shape[1] // 2
+    low, high = slice(0, h), slice(h, q.shape[1])
+    with torch.no_grad():  # in-place sums into views; the kernels are not differentiable anyway
+        for rows, cols, causal in ((low, low, True), (high, low, False), (high, high, True)):
+            g_q, g_k, g_v = _kernel_backward(
+                dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows].contiguous(),
+                causal, scale,
+            )
+            dq[:, rows] += g_q
+            dk[:, cols] += g_k
+            dv[:, cols] += g_v
+            del g_q, g_k, g_v
+
+
 class CpuFlashBackend(KernelBackend):
     """PyTorch's CPU flash-attention kernel; float32/float64/bfloat16/float16; windows by masks."""
 
@@ -478,6 +510,13 @@ class CpuFlashBackend(KernelBackend):
                     (dq[None, sl_q], dk[None, sl_k], dv[None, sl_k]), dout[None, sl_q], q[None, sl_q],
                     k[None, sl_k], v[None, sl_k], out[None, sl_q],
                     lse_for_backward(lse[None, :, sl_q], lse_dtype(q.dtype)), scale, band, None,
+                )
+                continue
+            if band == (-1, 0) and l_q >= _SPLIT_CAUSAL_FROM:  # l_q == l_k: _one_call
+                _causal_halves_backward_into(
+                    (dq[None, sl_q], dk[None, sl_k], dv[None, sl_k]), dout[None, sl_q], q[None, sl_q],
+                    k[None, sl_k], v[None, sl_k], out[None, sl_q],
+                    lse_for_backward(lse[None, :, sl_q], lse_dtype(q.dtype)), scale,
                 )
                 continue
             g_q, g_k, g_v = self.kernel_backward(
