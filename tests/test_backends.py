@@ -472,20 +472,20 @@ def test_cpu_varlen_causal_halves(monkeypatch, dtype_name, split_from):
 
 def test_cpu_varlen_plan_covers_every_path():
     lens = _VARLEN_CASES["mixed"][0] + [16] * 5 + [9, 10]
-    plan = _plan(lens, _key_lengths(lens, False, 0))
+    plan = _plan(lens, _key_lengths(lens, False, 0), 64)
     assert plan.direct, "no sequence took a direct kernel call"
     assert any(b.q.start is None for b in plan.buckets), "no gathered (padded) bucket"
     assert any(b.mask((-1, -1), torch.float32, "cpu")[1] is not None for b in plan.buckets), (
         "no bucket with padded keys"
     )
-    plan = _plan([16] * 12, [16] * 12)
+    plan = _plan([16] * 12, [16] * 12, 64)
     assert len(plan.buckets) == 1 and plan.buckets[0].q.start == 0, "uniform run is not a view"
     assert plan.buckets[0].mask((-1, 0), torch.float32, "cpu") == (True, None, None)
-    assert _plan([57], [40]).covers_all(57, 40)
-    assert not _plan([0, 57], [3, 40]).covers_all(57, 43)
+    assert _plan([57], [40], 64).covers_all(57, 40)
+    assert not _plan([0, 57], [3, 40], 64).covers_all(57, 43)
     # Each packed token is covered exactly once.
     covered = torch.zeros(sum(lens), dtype=torch.int64)
-    plan = _plan(lens, lens)
+    plan = _plan(lens, lens, 64)
     for s_q, l_q, _, _ in plan.direct:
         covered[s_q:s_q + l_q] += 1
     for bucket in plan.buckets:

@@ -37,8 +37,8 @@ Note [CPU varlen]
 The kernel has no cumulative-length mode, and per call it costs a few microseconds plus Python
 overhead, which dominates for short sequences. ``varlen_forward``/``varlen_backward`` therefore:
 
-1. give each sequence with ``len_q * len_k >= _DIRECT_MIN_WORK`` its own dense call on views of the
-   packed tensors (no copy, no wasted FLOPs);
+1. give each sequence with ``len_q * len_k * H * D >= _DIRECT_MIN_WORK`` (``H * D``: q's elements
+   per token) its own dense call on views of the packed tensors (no copy, no wasted FLOPs);
 2. put shorter sequences into buckets of similar ``(len_q, len_k)`` -- exact up to
    ``_EXACT_UP_TO`` tokens, then geometric with ratio ``_BUCKET_RATIO`` -- gather each bucket into
    one padded ``[n, M, H, D]`` batch and make one dense call for it, so padding wastes at most
@@ -48,6 +48,14 @@ overhead, which dominates for short sequences. ``varlen_forward``/``varlen_backw
    contribute nothing to dk/dv.
 
 Sequences with no query or no key are skipped (out 0, lse -inf, zero gradients).
+
+The threshold counts the work of a call, heads included: it was 128 x 128 tokens whatever the
+heads, which is right for one head of 64 (the same ``2**20``) but bucketed 100-token sequences
+at 8 heads, whose gathers, padding and masks cost more than the calls they saved. Measured
+(forward + backward, causal, fp32, median of interleaved rounds, old rule -> this one): H 1, D 64
+unchanged (0.97-1.02x); H 2 0.88-1.01x; H 8, D 64 0.72-0.92x for 16-128-token sequences; H 32,
+D 128 0.57-0.64x. Direct calls also gather nothing, so a bucket's copies of q, k, v, out and dout
+no longer sit next to the backward's other buffers for such sequences.
 
 In the backward a causal sequence of at least ``_SPLIT_CAUSAL_FROM`` tokens runs as three calls
 on its halves (the two causal diagonals and the full block below them, the same FLOPs), each
@@ -85,8 +93,8 @@ __all__ = ["CpuFlashBackend"]
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # A causal sequence this long runs its backward in three calls on its halves (Note [CPU varlen]).
 _SPLIT_CAUSAL_FROM = 2048
-# A sequence whose len_q * len_k reaches this gets its own kernel call (see Note [CPU varlen]).
-_DIRECT_MIN_WORK = 128 * 128
+# A sequence whose len_q * len_k * H * D reaches this gets its own kernel call (see Note [CPU varlen]).
+_DIRECT_MIN_WORK = 1 << 20  # 128 x 128 tokens at one head of 64
 _EXACT_UP_TO = 8
 _BUCKET_RATIO = 1.25
 # Mask elements per tile of a windowed block (see Note [CPU windows]).
@@ -269,14 +277,14 @@ def _bucket_ids(lens: Tensor) -> Tensor:
     return torch.where(lens <= _EXACT_UP_TO, lens, geo)
 
 
-def _plan(lens_q: list[int], lens_k: list[int]) -> _Plan:
+def _plan(lens_q: list[int], lens_k: list[int], row_elements: int) -> _Plan:
     """Split the sequences into direct calls and padded buckets (host-side index maths)."""
     lq = torch.tensor(lens_q, dtype=torch.int64)
     lk = torch.tensor(lens_k, dtype=torch.int64)
     start_q = torch.cumsum(lq, 0) - lq
     start_k = torch.cumsum(lk, 0) - lk
     active = (lq > 0) & (lk > 0)
-    direct_mask = active & (lq * lk >= _DIRECT_MIN_WORK)
+    direct_mask = active & (lq * lk * row_elements >= _DIRECT_MIN_WORK)
     small = torch.nonzero(active & ~direct_mask).flatten()
     direct_ids = torch.nonzero(direct_mask).flatten().tolist()
     buckets: list[_Bucket] = []
@@ -448,7 +456,7 @@ class CpuFlashBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor]:
         """See Note [CPU varlen]."""
         total_q, h, _ = q.shape
-        plan = _plan(*packing.host_lens())
+        plan = _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
         if plan.covers_all(total_q, k.shape[0]):  # one call, no copy into a packed buffer
             o, l = self.kernel_forward(q[None], k[None], v[None], scale=scale, window=window, softcap=softcap)
             return o[0], l[0]
@@ -477,7 +485,7 @@ class CpuFlashBackend(KernelBackend):
         packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """See Note [CPU varlen]."""
-        plan = _plan(*packing.host_lens())
+        plan = _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
         if plan.covers_all(q.shape[0], k.shape[0]):  # one call, no copy into packed buffers
             grads = self.kernel_backward(
                 dout[None], q[None], k[None], v[None], out[None], lse[None], scale=scale,
@@ -493,8 +501,8 @@ class CpuFlashBackend(KernelBackend):
         out: Tensor, lse: Tensor, packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> None:
         """Adds each sequence's (or bucket's) gradients into ``grads`` as it goes."""
-        self._varlen_backward(_plan(*packing.host_lens()), grads, dout, q, k, v, out, lse, scale, window,
-                              accumulate=True)
+        plan = _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
+        self._varlen_backward(plan, grads, dout, q, k, v, out, lse, scale, window, accumulate=True)
 
     def _varlen_backward(
         self, plan: _Plan, grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor,
