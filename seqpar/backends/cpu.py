@@ -354,6 +354,27 @@ def _additive(
     return alibi_bias(alibi, rows, cols, dtype, device).masked_fill_(~ok.to(device), float("-inf"))
 
 
+def _blocks_backward_into(
+    grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, scale: float, blocks,
+) -> None:
+    """Add the gradients of kernel calls on blocks of a ``[B, S, H, d]`` call into ``grads = (dq,
+    dk, dv)`` (any dtype the results add into), one call at a time. ``blocks`` yields ``(rows,
+    cols, causal, additive mask or None)``, each mask made as it is reached; ``lse`` as the
+    kernel reads it."""
+    dq, dk, dv = grads
+    with torch.no_grad():  # in-place sums into views; the kernels are not differentiable anyway
+        for rows, cols, causal, mask in blocks:
+            g_q, g_k, g_v = _kernel_backward(
+                dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows].contiguous(),
+                causal, scale, mask,
+            )
+            dq[:, rows] += g_q
+            dk[:, cols] += g_k
+            dv[:, cols] += g_v
+            del g_q, g_k, g_v, mask
+
+
 def _band_backward_into(
     grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     lse: Tensor, scale: float, window: Window, alibi: Alibi | None,
@@ -362,18 +383,9 @@ def _band_backward_into(
     (``[B, S, H, d]``, any dtype the results add into) tile by tile; ``window`` already
     effective, ``lse`` as the kernel reads it. No block-sized buffer of its own: a segment of a
     varlen call adds straight into the call's gradients (Note [CPU varlen])."""
-    dq, dk, dv = grads
     tiles = _band_tiles(q.shape[1], k.shape[1], window, q.shape[2] if alibi is not None else 1)
-    with torch.no_grad():  # in-place sums into views; the kernels are not differentiable anyway
-        for rows, cols, ok in tiles:
-            g_q, g_k, g_v = _kernel_backward(
-                dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
-                lse[..., rows].contiguous(), False, scale, _additive(ok, q.dtype, q.device, alibi, rows, cols),
-            )
-            dq[:, rows] += g_q
-            dk[:, cols] += g_k
-            dv[:, cols] += g_v
-            del g_q, g_k, g_v
+    blocks = ((rows, cols, False, _additive(ok, q.dtype, q.device, alibi, rows, cols)) for rows, cols, ok in tiles)
+    _blocks_backward_into(grads, dout, q, k, v, out, lse, scale, blocks)
 
 
 def _causal_halves_backward_into(
@@ -383,19 +395,11 @@ def _causal_halves_backward_into(
     """Add a causal square block's gradients into ``grads = (dq, dk, dv)`` (``[B, S, H, d]``) in
     three calls on its halves (Note [CPU varlen]): rows ``[0, h)`` on keys ``[0, h)`` causal, rows
     ``[h, S)`` on keys ``[0, h)`` in full and on ``[h, S)`` causal; ``lse`` as the kernel reads it."""
-    dq, dk, dv = grads
     h = q.shape[1] // 2
     low, high = slice(0, h), slice(h, q.shape[1])
-    with torch.no_grad():  # in-place sums into views; the kernels are not differentiable anyway
-        for rows, cols, causal in ((low, low, True), (high, low, False), (high, high, True)):
-            g_q, g_k, g_v = _kernel_backward(
-                dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows].contiguous(),
-                causal, scale,
-            )
-            dq[:, rows] += g_q
-            dk[:, cols] += g_k
-            dv[:, cols] += g_v
-            del g_q, g_k, g_v
+    blocks = ((rows, cols, causal, None) for rows, cols, causal in ((low, low, True), (high, low, False),
+                                                                     (high, high, True)))
+    _blocks_backward_into(grads, dout, q, k, v, out, lse, scale, blocks)
 
 
 class CpuFlashBackend(KernelBackend):

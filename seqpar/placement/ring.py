@@ -492,9 +492,8 @@ def sent_as_computed(calls, kv_len: int, *, expanded: bool = False) -> bool:
     to the query heads (a grouped-query call on a backend whose backward expands K/V heads runs
     a wide block as two key halves into a send slot instead; Note [Gradients sent as computed]
     in ``seqpar.parallel.ring``)."""
-    if expanded and any(len(split_wide_blocks([c])) > 1 for c in calls):
-        return False
-    return len(calls) == 1 and isinstance(calls[0], BlockCall) and (calls[0].k0, calls[0].k1) == (0, kv_len)
+    whole = len(calls) == 1 and isinstance(calls[0], BlockCall) and (calls[0].k0, calls[0].k1) == (0, kv_len)
+    return whole and not (expanded and len(split_wide_blocks(calls)) > 1)
 
 
 def sums_keys(calls) -> bool:
