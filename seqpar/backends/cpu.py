@@ -277,6 +277,12 @@ def _bucket_ids(lens: Tensor) -> Tensor:
     return torch.where(lens <= _EXACT_UP_TO, lens, geo)
 
 
+def _plan_for(packing: Packing, q: Tensor) -> _Plan:
+    """The plan of a varlen call on ``q`` ``[total_q, H, D]``: work counted with q's ``H * D``
+    elements per token (Note [CPU varlen])."""
+    return _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
+
+
 def _plan(lens_q: list[int], lens_k: list[int], row_elements: int) -> _Plan:
     """Split the sequences into direct calls and padded buckets (host-side index maths)."""
     lq = torch.tensor(lens_q, dtype=torch.int64)
@@ -460,7 +466,7 @@ class CpuFlashBackend(KernelBackend):
     ) -> tuple[Tensor, Tensor]:
         """See Note [CPU varlen]."""
         total_q, h, _ = q.shape
-        plan = _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
+        plan = _plan_for(packing, q)
         if plan.covers_all(total_q, k.shape[0]):  # one call, no copy into a packed buffer
             o, l = self.kernel_forward(q[None], k[None], v[None], scale=scale, window=window, softcap=softcap)
             return o[0], l[0]
@@ -489,7 +495,7 @@ class CpuFlashBackend(KernelBackend):
         packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """See Note [CPU varlen]."""
-        plan = _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
+        plan = _plan_for(packing, q)
         if plan.covers_all(q.shape[0], k.shape[0]):  # one call, no copy into packed buffers
             grads = self.kernel_backward(
                 dout[None], q[None], k[None], v[None], out[None], lse[None], scale=scale,
@@ -505,7 +511,7 @@ class CpuFlashBackend(KernelBackend):
         out: Tensor, lse: Tensor, packing: Packing, *, scale: float, window: Window, softcap: float,
     ) -> None:
         """Adds each sequence's (or bucket's) gradients into ``grads`` as it goes."""
-        plan = _plan(*packing.host_lens(), q.shape[1] * q.shape[2])
+        plan = _plan_for(packing, q)
         self._varlen_backward(plan, grads, dout, q, k, v, out, lse, scale, window, accumulate=True)
 
     def _varlen_backward(
@@ -516,20 +522,19 @@ class CpuFlashBackend(KernelBackend):
         for s_q, l_q, s_k, l_k in plan.direct:
             sl_q, sl_k = slice(s_q, s_q + l_q), slice(s_k, s_k + l_k)
             band = _effective_window(l_q, l_k, window)
-            if not _one_call(l_q, l_k, band):
-                # Tiled: its tiles add into the call's gradients (zeros unless accumulating).
-                _band_backward_into(
-                    (dq[None, sl_q], dk[None, sl_k], dv[None, sl_k]), dout[None, sl_q], q[None, sl_q],
-                    k[None, sl_k], v[None, sl_k], out[None, sl_q],
-                    lse_for_backward(lse[None, :, sl_q], lse_dtype(q.dtype)), scale, band, None,
-                )
-                continue
-            if band == (-1, 0) and l_q >= _SPLIT_CAUSAL_FROM:  # l_q == l_k: _one_call
-                _causal_halves_backward_into(
+            one_call = _one_call(l_q, l_k, band)
+            if not one_call or (band == (-1, 0) and l_q >= _SPLIT_CAUSAL_FROM):  # causal one call: l_q == l_k
+                # In blocks (band tiles, or causal halves) that add into the call's gradients
+                # (zeros unless accumulating).
+                views = (
                     (dq[None, sl_q], dk[None, sl_k], dv[None, sl_k]), dout[None, sl_q], q[None, sl_q],
                     k[None, sl_k], v[None, sl_k], out[None, sl_q],
                     lse_for_backward(lse[None, :, sl_q], lse_dtype(q.dtype)), scale,
                 )
+                if one_call:
+                    _causal_halves_backward_into(*views)
+                else:
+                    _band_backward_into(*views, band, None)
                 continue
             g_q, g_k, g_v = self.kernel_backward(
                 dout[None, sl_q], q[None, sl_q], k[None, sl_k], v[None, sl_k],
