@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Workspace, group_rank, group_size, group_timeout
+from .comm.group import mark_closed
 from .placement.sizes import is_int
 
 if TYPE_CHECKING:
@@ -514,8 +515,33 @@ class ParallelState:
 
         A collective in spirit: every rank of the parent group closes its state; the state is
         unusable afterwards (its group attributes become ``None``). The parent group is not
-        touched.
+        touched. Every later seqpar call through the state raises seqpar's closed-state
+        ``ValueError``, also the backward of a call made before ``close`` (Note [Closed states]).
+
+        Note [Closed states]
+        ~~~~~~~~~~~~~~~~~~~~
+        A call's autograd graph keeps the groups it was made with, so its backward may run after
+        ``close``. Its groups are then of two kinds: ones this state created, now destroyed (torch
+        answers "not registered ... new_group" for a rank, a size without complaint), and the
+        parent itself when an axis spans the whole parent (the ring of 4 x 1), still alive -- the
+        backward would run silently through a closed state. So ``close`` leaves two marks that a
+        call's own path reads before it communicates: the names of the destroyed groups
+        (``seqpar.comm.group``'s rank, size and gather helpers, which seqpar's collectives go
+        through, raise seqpar's error for them) and the state's workspace, closed (every attention
+        forward and backward opens a scope on it first, whatever groups it uses). Public entries
+        check :meth:`check_usable` as before. A workspace another live state shares is left open.
+        Not covered: ``shard`` / ``unshard`` / ``seqpar.comm`` autograd functions over a group
+        that is the parent itself keep only that live group, and still run.
         """
+        reason = (
+            "seqpar: this ParallelState was closed, but a call made on it still runs (the backward of an "
+            "attention call made before close); run the backward before closing the state, or build a new "
+            "state and run the call again"
+        )
+        shared = any(other is not self and other.workspace is self.workspace for other in list(_LIVE.values()))
+        if not shared and self.parent_group is not None:
+            self.workspace.close(reason)
+        mark_closed(self._created)
         for pg in self._created:
             try:
                 dist.destroy_process_group(pg)

@@ -33,10 +33,43 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# Names of the process groups ``ParallelState.close`` destroyed (Note [Closed states] in
+# ``seqpar.state``). torch may give a later group the same name, so a name here means "closed"
+# only for a group torch no longer knows.
+_CLOSED_NAMES: set[str] = set()
+
+
+def mark_closed(groups: list) -> None:
+    """Record ``groups`` as destroyed by ``ParallelState.close`` (called just before destroying them)."""
+    for pg in groups:
+        name = getattr(pg, "group_name", None)
+        if name:
+            _CLOSED_NAMES.add(name)
+
+
+def check_open(group: Group, where: str = "seqpar") -> None:
+    """Raise seqpar's closed-state ``ValueError`` if ``group`` is one a closed ``ParallelState``
+    destroyed (torch answers a rank lookup with "not registered ... new_group" and a size lookup
+    without complaint). Called by the helpers below, which every collective of seqpar goes through."""
+    if group is None or getattr(group, "group_name", None) not in _CLOSED_NAMES:
+        return
+    try:
+        dist.get_rank(group)  # raises for a group torch no longer knows (its size does not)
+        return  # a live group that took a destroyed one's name
+    except (ValueError, RuntimeError):
+        pass
+    raise ValueError(
+        f"{where}: this ParallelState was closed (ParallelState.close destroyed its process groups), but a call "
+        "still communicates over them -- typically the backward of an attention or shard call made before "
+        "close; run the backward before closing the state, or build a new state and run the call again"
+    )
+
+
 def group_size(group: Group) -> int:
     """Size of ``group``; ``None`` is the default group, or a single process when none exists."""
     if group is None and not _initialized():
         return 1
+    check_open(group)
     return dist.get_world_size(group)
 
 
@@ -44,6 +77,7 @@ def group_rank(group: Group) -> int:
     """This process's rank in ``group`` (0 for ``None`` without a process group)."""
     if group is None and not _initialized():
         return 0
+    check_open(group)
     return dist.get_rank(group)
 
 
@@ -86,11 +120,13 @@ def exchange_ints(values: list[int], group: Group, device: torch.device) -> list
 # collectives, profilers) see the calls.
 def all_gather_flat(out: torch.Tensor, t: torch.Tensor, group: Group = None) -> None:
     """``all_gather_single`` (torch >= 2.13) or ``all_gather_into_tensor``."""
+    check_open(group)
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
 
 
 def reduce_scatter_flat(out: torch.Tensor, t: torch.Tensor, op=None, group: Group = None) -> None:
     """``reduce_scatter_single`` (torch >= 2.13) or ``reduce_scatter_tensor``."""
+    check_open(group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, t, op=dist.ReduceOp.SUM if op is None else op, group=group)
 

@@ -60,11 +60,18 @@ class Workspace:
         self._used: dict[torch.device, int] = {}  # bytes handed out in the open scope
         self._slices: dict[tuple[str, torch.device], tuple[int, int]] = {}  # role -> (start, bytes)
         self._depth = 0
+        self._closed: str | None = None  # why scopes are refused (:meth:`close`)
 
     def scope(self) -> AbstractContextManager:
         """One call's forward or backward: arena slices handed out inside are released at its end
         (the outermost scope's), and the arena grows to what the scope asked for if it was short.
-        Without ``keep`` a scope changes nothing (every buffer is fresh), so it is a no-op context."""
+        Without ``keep`` a scope changes nothing (every buffer is fresh), so it is a no-op context.
+
+        Raises:
+            ValueError: the workspace was closed with its state (:meth:`close`).
+        """
+        if self._closed is not None:
+            raise ValueError(self._closed)
         return self._scope() if self.keep else nullcontext(self)
 
     @contextmanager
@@ -116,6 +123,13 @@ class Workspace:
     def clear(self) -> None:
         """Free the kept arena (the next scopes allocate it again)."""
         self._arenas.clear()
+
+    def close(self, reason: str) -> None:
+        """Free the arena and refuse every later scope with ``ValueError(reason)``: the state that
+        owns this workspace was closed, and every attention forward and backward on it opens a
+        scope here before it communicates (Note [Closed states] in ``seqpar.state``)."""
+        self.clear()
+        self._closed = reason
 
     def __repr__(self) -> str:
         return f"Workspace(keep={self.keep}, {self.nbytes / 2**20:.1f} MiB kept)"
