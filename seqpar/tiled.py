@@ -52,11 +52,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         lse = torch.empty(T, dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         valid = target != ignore_index
+        safe = target.masked_fill(~valid, 0)  # ignored labels (any int, also >= V) never index the vocab
         for a in range(0, T, chunk_size):
             b = min(T, a + chunk_size)
             logits = _chunk_logits(hidden[a:b], weight).to(acc)
             lse[a:b] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[a:b].clamp(min=0).unsqueeze(1)).squeeze(1)
+            picked = logits.gather(1, safe[a:b].unsqueeze(1)).squeeze(1)
             total += ((lse[a:b] - picked) * valid[a:b]).sum()
             del logits
         ctx.save_for_backward(hidden, weight, target, lse)
@@ -68,6 +69,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         hidden, weight, target, lse = ctx.saved_tensors
         T, chunk = hidden.shape[0], ctx.chunk_size
         valid = target != ctx.ignore_index
+        safe = target.masked_fill(~valid, 0)
         dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         for a in range(0, T, chunk):
@@ -76,7 +78,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             g = _chunk_logits(hidden[a:b], weight).to(lse.dtype)  # a fresh [n, V]: updated in place
             g.sub_(lse[a:b, None]).exp_()
             rows = torch.arange(b - a, device=g.device)
-            g[rows, target[a:b].clamp(min=0)] -= 1.0
+            g[rows, safe[a:b]] -= 1.0
             g *= (valid[a:b] * grad).unsqueeze(1).to(g.dtype)
             if dh is not None:
                 dh[a:b] = (g.to(weight.dtype) @ weight).to(hidden.dtype)

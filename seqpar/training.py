@@ -63,6 +63,15 @@ __all__ = [
 
 
 
+def _checks_parent(state: ParallelState, device: torch.device) -> bool:
+    """Whether a collective over the whole parent group (CP x DP) checks agreement first:
+    ``state.checks`` as for attention calls (Note [Global length]), also with ``cp_size == 1``
+    (data parallelism alone), where ``collective_checks`` has no CP group to check."""
+    if state.parent_group is None or state.cp_size * state.dp_size == 1:
+        return False
+    return state.checks == "always" or (state.checks == "auto" and device.type == "cpu")
+
+
 def _global_count(count: Tensor, state: ParallelState) -> Tensor:
     """Sum a count over the CP group (no gradient), clamped to at least 1."""
     count = count.detach()
@@ -119,7 +128,7 @@ def sharded_cross_entropy(
             valid-token count, or, where ``seqpar.attention`` checks collectively (CPU, or
             ``checks="always"``), an all-gather of counts and per-rank verdicts so that bad labels
             on one rank raise on every rank).
-        ignore_index: label value excluded from the loss and the count.
+        ignore_index: label value excluded from the loss and the count (any int, also one >= V).
 
     Returns:
         Scalar ``L_c = sum(local token losses) / global valid-token count``; ``sum_c L_c`` is the
@@ -127,7 +136,11 @@ def sharded_cross_entropy(
         the count is taken as 1 (loss 0, zero gradients) instead of dividing by zero.
 
     Raises:
-        ValueError: mismatched shapes, non-integer labels, or a bad ``state``.
+        ValueError: mismatched shapes, non-integer labels, labels outside ``[0, V)`` that are not
+            ``ignore_index``, a non-int ``ignore_index``, or a bad ``state``; CP ranks that
+            disagree on ``V`` or ``ignore_index``. Raised on every CP rank, naming the rank and
+            the bad label, where the call checks collectively (on an accelerator with the default
+            ``checks="auto"`` only on the rank that has it).
     """
     require_state(state, "sharded_cross_entropy")
     error = None
@@ -138,11 +151,14 @@ def sharded_cross_entropy(
         )
     elif labels.dtype.is_floating_point or labels.dtype == torch.bool:
         error = ValueError(f"sharded_cross_entropy: labels must be integer class ids, got {labels.dtype}")
+    elif isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        error = ValueError(f"sharded_cross_entropy: ignore_index must be an int (e.g. -100), got {ignore_index!r}")
 
     def local_sum(target: Tensor) -> Tensor:
         return F.cross_entropy(_float_logits(logits), target, ignore_index=ignore_index, reduction="sum")
 
-    return _loss_share(local_sum, labels, error, state, logits.device, ignore_index, "sharded_cross_entropy")
+    vocab = logits.shape[-1] if logits.dim() else 0
+    return _loss_share(local_sum, labels, error, state, logits.device, ignore_index, vocab, "sharded_cross_entropy")
 
 
 def linear_cross_entropy(
@@ -161,59 +177,115 @@ def linear_cross_entropy(
         state: the parallel state (the valid-token count is one collective, as in
             :func:`sharded_cross_entropy`).
         chunk_size: tokens per chunk; ``None`` keeps one chunk's fp32 logits near 64 MiB.
-        ignore_index: label value excluded from the loss and the count.
+        ignore_index: label value excluded from the loss and the count (any int, also one >= V).
 
     Returns:
         Scalar ``L_c = sum(local token losses) / global valid-token count`` (float32; float64 for
         float64 inputs). Peak extra memory ``chunk_size x V`` floats instead of ``T x V``.
 
     Raises:
-        ValueError: shapes that do not match, non-integer labels or labels outside ``[0, V)``, a
-            bad ``chunk_size`` or ``state`` (raised on every CP rank where the call checks
-            collectively, as in :func:`sharded_cross_entropy`).
+        ValueError: shapes or dtypes that do not match, non-integer labels or labels outside
+            ``[0, V)`` that are not ``ignore_index``, a bad ``chunk_size``, ``ignore_index`` or
+            ``state`` (raised on every CP rank where the call checks collectively, as in
+            :func:`sharded_cross_entropy`).
     """
     require_state(state, "linear_cross_entropy")
+    where = "linear_cross_entropy"
+    # Every check that can fail on one rank runs before the collective (linear_cross_entropy_sum
+    # repeats some of them after it, where they can no longer fail).
     error = None
     if not isinstance(hidden, Tensor) or not isinstance(labels, Tensor) or hidden.shape[:-1] != labels.shape:
         error = ValueError(
-            f"linear_cross_entropy: hidden {tuple(getattr(hidden, 'shape', ()))} must be labels "
+            f"{where}: hidden {tuple(getattr(hidden, 'shape', ()))} must be labels "
             f"{tuple(getattr(labels, 'shape', ()))} plus a trailing hidden_size dim"
         )
     elif labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        error = ValueError(f"linear_cross_entropy: labels must be integer class ids, got {labels.dtype}")
+        error = ValueError(f"{where}: labels must be integer class ids, got {labels.dtype}")
+    elif not isinstance(weight, Tensor) or weight.dim() != 2 or hidden.dim() < 1 or weight.shape[1] != hidden.shape[-1]:
+        error = ValueError(
+            f"{where}: weight {tuple(getattr(weight, 'shape', ()))} must be (vocab_size, hidden_size) with "
+            f"hidden's hidden_size {hidden.shape[-1] if hidden.dim() else '?'}"
+        )
+    elif not hidden.dtype.is_floating_point or weight.dtype != hidden.dtype:
+        error = ValueError(f"{where}: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one float dtype")
+    elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        error = ValueError(f"{where}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    elif isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        error = ValueError(f"{where}: ignore_index must be an int (e.g. -100), got {ignore_index!r}")
 
     def local_sum(target: Tensor) -> Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         return linear_cross_entropy_sum(flat, weight, target, chunk_size=chunk_size, ignore_index=ignore_index)
 
     device = hidden.device if isinstance(hidden, Tensor) else torch.device("cpu")
-    return _loss_share(local_sum, labels, error, state, device, ignore_index, "linear_cross_entropy")
+    vocab = weight.shape[0] if error is None else 0
+    return _loss_share(local_sum, labels, error, state, device, ignore_index, vocab, where)
+
+
+_REFUSED, _BAD_LABEL = 1, 2  # verdicts of a rank in the loss's exchange (0: fine)
+
+
+def _label_verdict(target: Tensor, vocab_size: int, ignore_index: int) -> tuple[int, int | None]:
+    """``(valid-token count, first label outside [0, V) that is not ignore_index, or None)``;
+    one host synchronisation when the labels are valid."""
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab_size))
+    count, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()
+    return count, (int(target[bad][0]) if n_bad else None)
+
+
+def _bad_label_error(where: str, rank: int | None, label: int, vocab_size: int, ignore_index: int) -> ValueError:
+    at = "" if rank is None else f"cp rank {rank} has "
+    return ValueError(
+        f"{where}: {at}label {label}, outside [0, {vocab_size}) and not ignore_index={ignore_index}; labels are "
+        f"class ids below the vocab size {vocab_size} or ignore_index"
+        + ("" if rank is None else " (raised on every CP rank)")
+    )
 
 
 def _loss_share(
     local_sum: Callable[[Tensor], Tensor], labels: Tensor, error: Exception | None, state: ParallelState,
-    device: torch.device, ignore_index: int, where: str,
+    device: torch.device, ignore_index: int, vocab_size: int, where: str,
 ) -> Tensor:
-    """``local_sum(target) / global valid-token count``; a local ``error`` (found before any
-    collective) raises on every CP rank where calls check collectively."""
+    """``local_sum(target) / global valid-token count``. A local ``error`` (found before any
+    collective), labels outside ``[0, vocab_size)`` that are not ``ignore_index``, and ranks with
+    other vocab sizes or ``ignore_index`` raise on every CP rank where calls check collectively:
+    the count's all-reduce becomes one all-gather of ``[count, verdict, bad label, V,
+    ignore_index]`` per rank, so every rank reads the same rows and raises the same error."""
     if state.cp_size > 1 and collective_checks(state, device, lengths_known=True):
-        # The count's all-reduce becomes an all-gather that also carries each rank's verdict, so a
-        # rank with bad labels makes every rank raise instead of leaving them waiting.
-        target = None if error else labels.reshape(-1).long()
-        count = 0 if error else int((target != ignore_index).sum())
-        rows = exchange_ints([count, int(error is not None)], state.cp_group, device)
+        target, count, verdict, label = None, 0, _REFUSED, 0
+        if not error:
+            target = labels.reshape(-1).long()
+            count, bad = _label_verdict(target, vocab_size, ignore_index)
+            verdict, label = (0, 0) if bad is None else (_BAD_LABEL, bad)
+        shared = [vocab_size, ignore_index] if not error else [-1, -1]
+        rows = exchange_ints([count, verdict, label, *shared], state.cp_group, device)
         if error:
             raise error
-        bad = [c for c, row in enumerate(rows) if row[1]]
-        if bad:
+        refused = [c for c, row in enumerate(rows) if row[1] == _REFUSED]
+        if refused:
             raise ValueError(
-                f"{where}: cp rank {bad[0]} refused its inputs/labels (its own error says why); every rank "
+                f"{where}: cp rank {refused[0]} refused its inputs/labels (its own error says why); every rank "
                 "raises so that none waits for it"
             )
+        other = next((c for c, row in enumerate(rows) if row[3:] != rows[0][3:]), None)
+        if other is not None:
+            raise ValueError(
+                f"{where}: the CP ranks disagree on (vocab size, ignore_index): {tuple(rows[0][3:])} on cp rank 0, "
+                f"{tuple(rows[other][3:])} on cp rank {other}; pass the same lm head / logits width and "
+                "ignore_index on every rank (raised on every CP rank)"
+            )
+        bad = next((c for c, row in enumerate(rows) if row[1] == _BAD_LABEL), None)
+        if bad is not None:
+            raise _bad_label_error(where, bad, rows[bad][2], vocab_size, ignore_index)
         return local_sum(target) / max(1, sum(row[0] for row in rows))
     if error:
         raise error
     target = labels.reshape(-1).long()
+    if device.type == "cpu":  # a ValueError instead of the kernel's IndexError; no synchronisation cost here
+        bad = _label_verdict(target, vocab_size, ignore_index)[1]
+        if bad is not None:
+            raise _bad_label_error(where, None, bad, vocab_size, ignore_index)
     total = local_sum(target)
     count = _global_count((target != ignore_index).sum(), state)
     return total / count.to(total.dtype)
@@ -267,9 +339,37 @@ def global_loss(share: Tensor, state: ParallelState) -> Tensor:
         Detached scalar tensor.
 
     Raises:
-        ValueError: a bad ``state``.
+        ValueError: a bad ``state``; a ``share`` that is not a tensor, or ranks whose shares differ
+            in element count or dtype (their all-reduces would not pair up: a gloo abort), raised
+            on every rank where calls check collectively (on the CPU or with ``checks="always"``;
+            one more small all-gather over the parent group).
     """
     require_state(state, "global_loss")
+    error = None
+    if not isinstance(share, Tensor):
+        error = ValueError(f"global_loss: share must be this rank's loss share as a tensor, got {type(share).__name__}")
+    device = share.device if error is None else torch.device("cpu")
+    if _checks_parent(state, device):
+        mine = [-1, -1] if error else [share.numel(), _DTYPE_CODES.get(share.dtype, 0)]
+        rows = exchange_ints([int(error is not None), *mine], state.parent_group, device)
+        if error:
+            raise error
+        refused = [r for r, row in enumerate(rows) if row[0]]
+        if refused:
+            raise ValueError(
+                f"global_loss: rank {refused[0]} of the parent group refused its share (its own error says why); "
+                "every rank raises so that none waits for it"
+            )
+        other = next((r for r, row in enumerate(rows) if row[1:] != rows[0][1:]), None)
+        if other is not None:
+            names = {c: str(d).removeprefix("torch.") for d, c in _DTYPE_CODES.items()}
+            shown = [f"{row[1]} element(s) of {names.get(row[2], 'another dtype')}" for row in (rows[0], rows[other])]
+            raise ValueError(
+                f"global_loss: the ranks' shares differ: rank 0 of the parent group has {shown[0]}, rank {other} has "
+                f"{shown[1]}; pass every rank's scalar loss share, of one dtype (raised on every rank)"
+            )
+    elif error:
+        raise error
     value = share.detach().clone()
     if state.cp_size > 1:
         value = all_reduce(value, state.cp_group)
@@ -379,7 +479,7 @@ def _check_same_parameters(groups: dict[tuple[torch.dtype, torch.device], list[n
     fingerprint) differ, instead of all-reducing buffers of different sizes (a gloo abort)."""
     params = [p for ps in groups.values() for p in ps]
     device = params[0].device if params else torch.device("cpu")
-    if not collective_checks(state, device, lengths_known=True) or state.parent_group is None:
+    if not _checks_parent(state, device):
         return
     shapes = [d for p in params for d in (_DTYPE_CODES.get(p.dtype, 0), p.dim(), *p.shape)]
     fingerprint = sum((i + 1) * 2654435761 * v for i, v in enumerate(shapes)) % (1 << 61)

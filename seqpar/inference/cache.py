@@ -112,7 +112,13 @@ class LayerCache:
 
     # -- filling ---------------------------------------------------------------------------------
 
-    def _check_rows(self, k: Tensor, v: Tensor) -> None:
+    def check_rows(self, k: Tensor, v: Tensor) -> None:
+        """Raise unless new rows ``k`` ``(batch, T, nheads_kv, headdim)`` and ``v`` match the cached
+        ones (batch, K/V heads, head dims, dtype); a layer with no rows yet accepts any.
+
+        Raises:
+            ValueError: naming both shapes and dtypes.
+        """
         if self._keys is None:
             return
         want_k, want_v = self._keys.shape, self._values.shape
@@ -174,7 +180,7 @@ class LayerCache:
         Returns:
             The owner (CP rank) of each new token.
         """
-        self._check_rows(k, v)
+        self.check_rows(k, v)
         t = k.shape[1]
         owners = []
         for _ in range(t):
