@@ -11,6 +11,8 @@ default, the rest of the matrix is marked slow. Then beam search, sampling, the 
 from __future__ import annotations
 
 import copy
+import re
+from datetime import timedelta
 
 import pytest
 import torch
@@ -168,3 +170,143 @@ def test_refusals_name_the_option():
     other = ParallelState()
     with pytest.raises(ValueError, match="not a name register"):
         generate(model, ids, other, max_new_tokens=2)
+
+
+# --- issue 42: stopping decided once per CP group, use_cache, beams from any config, MLA -----------
+
+_F64 = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _pair64(family: str, name: str):
+    ref, model = _pair(family, name)
+    return ref.double(), model.double()
+
+
+def _rank_stopping(ring: int, ulysses: int) -> dict:
+    """Stopping rules whose answer differs per rank (a clock, a rank-dependent criterion): every
+    rank must stop at the same step and return the same tokens; a criterion raising on one rank
+    must raise on every rank."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AfterNewTokens(StoppingCriteria):
+        def __init__(self, prompt: int, n: int) -> None:
+            self.prompt, self.n = prompt, n
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] - self.prompt >= self.n, dtype=torch.bool)
+
+    class RaisesOnRankOne(StoppingCriteria):
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if self.rank == 1:
+                raise ValueError("criterion failed on purpose")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    state = ParallelState(ring, ulysses, timeout=timedelta(seconds=30))  # a rank left waiting fails fast
+    name = register(state, name=f"seqpar-stop-{ring}x{ulysses}")
+    ref, model = _pair64("llama", name)
+    ids = _prompt(2, 23)
+    rank = state.cp_rank
+    out = {}
+    with torch.no_grad():
+        # rank r stops after 3 + r new tokens: the group stops after 3 (the first rank to say so)
+        criteria = StoppingCriteriaList([AfterNewTokens(ids.shape[1], 3 + rank)])
+        out["custom"] = generate(model, ids, state, stopping_criteria=criteria, **_F64).tolist()
+        out["custom_want"] = ref.generate(ids, **{**_F64, "max_new_tokens": 3}).tolist()
+        # max_time=0 on the last rank only (its clock always says stop): one new token everywhere
+        timed = dict(max_time=0.0) if rank == state.cp_size - 1 else {}
+        out["timed"] = generate(model, ids, state, **timed, **_F64).tolist()
+        out["timed_want"] = ref.generate(ids, **{**_F64, "max_new_tokens": 1}).tolist()
+        try:
+            generate(model, ids, state, stopping_criteria=StoppingCriteriaList([RaisesOnRankOne(rank)]), **_F64)
+            out["raised"] = None
+        except (ValueError, RuntimeError) as e:
+            out["raised"] = type(e).__name__
+        # afterwards the model generates normally (nothing left behind by the failed call)
+        out["after"] = generate(model, ids, state, **_F64).tolist()
+        out["after_want"] = ref.generate(ids, **_F64).tolist()
+    return out
+
+
+def test_stopping_is_decided_once_for_the_cp_group(pools):
+    results = pools(4).run(_rank_stopping, 2, 2)
+    for rank, r in enumerate(results):
+        assert r["custom"] == r["custom_want"] == results[0]["custom"], f"rank {rank}"
+        assert r["timed"] == r["timed_want"] == results[0]["timed"], f"rank {rank}"
+        assert r["after"] == r["after_want"], f"rank {rank}"
+    assert [r["raised"] for r in results] == ["RuntimeError", "ValueError", "RuntimeError", "RuntimeError"]
+
+
+def _rank_generation_configs(ring: int, ulysses: int) -> dict:
+    """use_cache=True, beam search set through num_beams=, a GenerationConfig and
+    model.generation_config, and the refusal of use_cache=False on one rank only."""
+    from transformers import GenerationConfig
+
+    state = ParallelState(ring, ulysses, timeout=timedelta(seconds=30))  # a rank left waiting fails fast
+    name = register(state, name=f"seqpar-configs-{ring}x{ulysses}")
+    ref, model = _pair64("mistral", name)
+    ids = _prompt(1, 31)  # a prompt whose 2-beam search differs from greedy search
+    out = {}
+    with torch.no_grad():
+        out["use_cache"] = generate(model, ids, state, use_cache=True, **_F64).tolist()
+        out["greedy_want"] = ref.generate(ids, **_F64).tolist()
+        beam = dict(_F64, num_beams=2, num_return_sequences=2)
+        out["beam_kwarg"] = generate(model, ids, state, **beam).tolist()
+        out["beam_want"] = ref.generate(ids, **beam).tolist()
+        out["beam_config"] = generate(model, ids, state, generation_config=GenerationConfig(**beam)).tolist()
+        model.generation_config.num_beams = ref.generation_config.num_beams = 2
+        out["beam_model"] = generate(model, ids, state, **_F64).tolist()
+        out["beam_model_want"] = ref.generate(ids, **_F64).tolist()
+        model.generation_config.num_beams = ref.generation_config.num_beams = 1
+        try:  # one rank asks for no cache: every rank refuses, none waits
+            generate(model, ids, state, **({"use_cache": False} if state.cp_rank == 2 else {}), **_F64)
+            out["no_cache"] = None
+        except (ValueError, NotImplementedError) as e:
+            out["no_cache"] = str(e)
+    return out
+
+
+def test_use_cache_and_beam_search_from_any_generation_config(pools):
+    results = pools(4).run(_rank_generation_configs, 2, 2)
+    for rank, r in enumerate(results):
+        assert r["use_cache"] == r["greedy_want"], f"rank {rank}"
+        assert r["beam_kwarg"] == r["beam_config"] == r["beam_want"], f"rank {rank}"
+        assert r["beam_model"] == r["beam_model_want"], f"rank {rank}"
+        assert r["beam_model"] != r["greedy_want"], "the prompt must tell beam search from greedy search"
+        want = "use_cache=False is not supported" if rank == 2 else "CP rank\\(s\\) \\[2\\] refused"
+        assert r["no_cache"] is not None and re.search(want, r["no_cache"]), f"rank {rank}: {r['no_cache']}"
+
+
+def _rank_mla(ring: int, ulysses: int, families: list[str]) -> dict:
+    """DeepSeek V2/V3 (latent KV cache, expanded per row): greedy tokens of one device in float64,
+    batch 2 and a beam search."""
+    state = ParallelState(ring, ulysses)
+    name = register(state, name=f"seqpar-mla-{ring}x{ulysses}")
+    out = {}
+    for family in families:
+        ref, model = _pair64(family, name)
+        ids = _prompt(2, 31)
+        with torch.no_grad():
+            out[family] = (generate(model, ids, state, **_F64).tolist(), ref.generate(ids, **_F64).tolist())
+            beam = dict(_F64, num_beams=2)
+            out[family + "_beam"] = (generate(model, ids, state, **beam).tolist(), ref.generate(ids, **beam).tolist())
+    return out
+
+
+def test_deepseek_mla_generate_matches_single_device(pools):
+    for rank, r in enumerate(pools(4).run(_rank_mla, 2, 2, ["deepseek_v2", "deepseek_v3"])):
+        for case, (got, want) in r.items():
+            assert got == want, f"rank {rank} {case}"
+
+
+def test_use_cache_keyword_one_rank():
+    state = ParallelState()
+    name = register(state, name="seqpar-generate-use-cache")
+    ref, model = _pair64("deepseek_v2", name)
+    ids = _prompt(1, 9)
+    with torch.no_grad():
+        assert torch.equal(generate(model, ids, state, use_cache=True, **_F64), ref.generate(ids, **_F64))
+    with pytest.raises(NotImplementedError, match="use_cache=False"):
+        generate(model, ids, state, use_cache=False, **_F64)

@@ -30,7 +30,11 @@ head_idx, q_idx, kv_idx) -> bool`` describing the pattern, and hand its return v
 of that type as ``attention_mask``. :func:`mask_function` recognises that pattern on global
 positions (Note [Recognising transformers masks]) and returns a :class:`RecognisedMask`; the
 attention function runs ``seqpar.attention`` with that mask, the softcap and the sinks, after
-checking that the kwargs agree with it. transformers' conventions, which seqpar follows exactly:
+checking that the kwargs agree with it. Any other kwarg is either a known pass-through that does
+not change attention (``use_cache``, ``output_attentions``, ...: ``_PASS_THROUGH_KWARGS``) or, when
+not ``None``, refused on every rank: ignoring it would compute another attention than the model's
+(MiniMax-M3's ``block_indices``, DeepSeek-V3.2's ``indices``: key selection by an indexer).
+transformers' conventions, which seqpar follows exactly:
 
 - ``sliding_window=W`` (``sliding_window_overlay``: ``kv_idx > q_idx - W``): a query sees itself
   and the ``W - 1`` keys before it, seqpar ``window=(W - 1, 0)`` with ``causal=True``. flash-attn's
@@ -72,7 +76,8 @@ Models built with a seqpar name also have their own call checked, once per forwa
 rank runs the model on its shard (Note [transformers model checks] in
 ``seqpar.integrations.transformers_guard``: one small all-gather over the CP group): a config
 switched to another implementation by a model sharing it, a model that computes attention itself
-(Bloom, MPT, ...), ``labels=`` (transformers' loss on a shard is a local mean with a wrong shift at
+(Bloom, MPT, ...), modules that mix tokens outside attention (hybrid and sparse-attention models,
+found from structure), ``labels=`` (transformers' loss on a shard is a local mean with a wrong shift at
 the shard edges: use ``seqpar.training.sharded_cross_entropy``), missing or wrong ``position_ids``
 (BERT, GPT-BigCode, ModernBERT, Qwen2-VL text and Llama 4 never pass them to attention), a rank
 holding no token, full-length, padding and 4-D masks. Every CP rank raises the same error.
@@ -110,7 +115,10 @@ with a window or chunk mask on every probed row but not elsewhere would be misse
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -139,13 +147,28 @@ _GENERATE_REFUSED = {
 
 # Names that transformers itself provides; registering over them would change every model.
 _BUILTIN = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
-# Kwargs that change attention in ways seqpar does not compute on dense shards.
+# Kwargs of the attention function (besides attention_mask, dropout, scaling, is_causal) that seqpar
+# honours: read by attention_forward / _layer_mask.
+_HONOURED_KWARGS = frozenset({"position_ids", "sliding_window", "softcap", "s_aux", "sinks"})
+# Kwargs models pass along that do not change what attention computes: transformers' per-call
+# options (TransformersKwargs), the cache (served through key._seqpar_cache, or refused by the key
+# length), RoPE tables already applied to q and k, and layer bookkeeping.
+_PASS_THROUGH_KWARGS = frozenset({
+    "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "use_cache",
+    "cache_position", "num_items_in_batch", "past_key_values", "past_key_value", "position_embeddings",
+    "layer_idx", "deterministic", "logits_to_keep",
+})
+# Kwargs that change attention in ways seqpar does not compute on dense shards, and what they are.
+# Any other kwarg that is not None is refused too (Note [transformers attention on shards]).
 _UNSUPPORTED_KWARGS = {
     "position_bias": "position biases (T5-style relative attention)",
     "cu_seq_lens_q": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
     "cu_seq_lens_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
     "max_length_q": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
     "max_length_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
+    "seq_idx": "packed batches (a sequence index per token); use seqpar.varlen_attention",
+    "indices": "keys selected per query by an indexer (DeepSeek sparse attention)",
+    "block_indices": "key blocks selected per query by an indexer (block-sparse attention)",
 }
 _ABSENT = object()
 # The module registration hook that gives seqpar models their checks (installed by the first
@@ -541,6 +564,36 @@ def _check_temperature_tuning(module: torch.nn.Module, n: int, state: ParallelSt
         )
 
 
+def _check_kwargs(kwargs: dict[str, Any], dropout: float) -> None:
+    """Refuse attention dropout and every kwarg seqpar does not honour (``_UNSUPPORTED_KWARGS``, and
+    any name outside ``_HONOURED_KWARGS`` / ``_PASS_THROUGH_KWARGS``) that is not None: ignoring one
+    would compute another attention than the model's (MiniMax-M3's ``block_indices`` select key
+    blocks; dense attention would be wrong on one rank already)."""
+    for name in sorted(kwargs):
+        if kwargs[name] is None or name in _HONOURED_KWARGS or name in _PASS_THROUGH_KWARGS:
+            continue
+        what = _UNSUPPORTED_KWARGS.get(name)
+        if what is not None:
+            raise NotImplementedError(f"seqpar attention: {name} is given, but {what} is not supported on sequence shards")
+        raise NotImplementedError(
+            f"seqpar attention: the model passes {name}={_describe(kwargs[name])} to the attention function, "
+            "which seqpar does not honour; computing plain attention without it could give another "
+            f"result than the model's, so it is refused. Arguments seqpar honours: {sorted(_HONOURED_KWARGS)}"
+        )
+    if dropout:
+        raise NotImplementedError(
+            f"seqpar attention: attention dropout {dropout} is not supported on sequence shards; set "
+            "config.attention_dropout = 0.0 (or call model.eval())"
+        )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    text = repr(value)
+    return text if len(text) <= 40 else f"<{type(value).__name__}>"
+
+
 @contextlib.contextmanager
 def _refusing_together(state: ParallelState, device: torch.device) -> Iterator[None]:
     """Checks on one rank's own data: a failure also makes the other CP ranks' next
@@ -585,8 +638,10 @@ def attention_forward(
         scaling: softmax scale (default ``headdim ** -0.5``).
         is_causal: overrides ``module.is_causal`` (default ``True``) when given.
         kwargs: ``sliding_window`` (int or ``None``), ``softcap`` (float or ``None``), ``s_aux``
-            or ``sinks`` (``(nheads,)``), ``position_ids`` (checked on the first layer); position
-            biases and packed-batch kwargs must be ``None``.
+            or ``sinks`` (``(nheads,)``), ``position_ids`` (checked on the first layer), and
+            transformers' pass-through options (``use_cache``, ``output_attentions``, ...); any other
+            kwarg (position biases, packed-batch kwargs, an indexer's ``indices`` or
+            ``block_indices``, anything unknown) must be ``None``.
 
     Returns:
         ``(out, None)`` with ``out`` ``(batch, seqlen_local, nheads, headdim)``, this rank's shard of
@@ -598,38 +653,37 @@ def attention_forward(
             pattern; a mask that disagrees with ``is_causal`` or ``sliding_window``; position_ids
             that are not global shard positions; head counts that disagree with
             ``num_key_value_groups``.
-        NotImplementedError: dropout > 0, decoding with a KV cache, position biases, packed-batch
-            kwargs, or Llama 4 temperature tuning on sequences of ``floor_scale`` tokens or more.
+        NotImplementedError: dropout > 0, decoding with a KV cache, a kwarg seqpar does not honour
+            (named in the message), or Llama 4 temperature tuning on sequences of ``floor_scale``
+            tokens or more.
+
+    With ``cp_size > 1`` a check that fails on this rank makes the other CP ranks' attention call
+    of the same layer raise too (``seqpar.attention.refuse_collectively``): no rank is left waiting.
     """
-    for name, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"seqpar attention: {name} is given, but {what} is not supported on sequence shards"
-            )
-    if dropout:
-        raise NotImplementedError(
-            f"seqpar attention: attention dropout {dropout} is not supported on sequence shards; set "
-            "config.attention_dropout = 0.0 (or call model.eval())"
-        )
     n = query.shape[2]
-    cached = getattr(key, "_seqpar_cache", None)  # Note [transformers cache on shards]
-    if cached is not None:
+    cached = _served_by_cache(module, key, value, state)  # Note [transformers cache on shards]
+    if cached is not None:  # the same call on every rank: a refusal raises on all of them
+        _check_kwargs(kwargs, dropout)
         return _cache_attention(module, query, key, value, attention_mask, scaling, is_causal, state, backend, cached, kwargs)
-    if key.shape[2] != n:
-        raise NotImplementedError(
-            f"seqpar attention: query has {n} tokens but key/value have {key.shape[2]}: "
-            "decoding with transformers' own KV cache is not supported on sequence shards; call the model "
-            "with use_cache=False, or decode with seqpar's cache: seqpar.integrations.transformers.generate "
-            "or past_key_values=SeqparCache(state, num_layers) (docs/inference.md)"
-        )
-    groups = getattr(module, "num_key_value_groups", None)
-    if groups is not None and query.shape[1] != key.shape[1] * groups:
-        raise ValueError(
-            f"seqpar attention: query has {query.shape[1]} heads, key {key.shape[1]}, but the module "
-            f"says num_key_value_groups={groups}"
-        )
     position_ids = kwargs.get("position_ids")
+    # Every check here may fail on some ranks only (a layer that builds keys from its shard, as
+    # DeepSeek-V4's compressor does, gets other key counts on other ranks): all of them run inside
+    # the shared refusal, so that the other ranks' first seqpar.attention raises too.
     with _refusing_together(state, query.device):
+        _check_kwargs(kwargs, dropout)
+        if key.shape[2] != n:
+            raise NotImplementedError(
+                f"seqpar attention: query has {n} tokens but key/value have {key.shape[2]}: "
+                "decoding with transformers' own KV cache is not supported on sequence shards; call the model "
+                "with use_cache=False, or decode with seqpar's cache: seqpar.integrations.transformers.generate "
+                "or past_key_values=SeqparCache(state, num_layers) (docs/inference.md)"
+            )
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is not None and query.shape[1] != key.shape[1] * groups:
+            raise ValueError(
+                f"seqpar attention: query has {query.shape[1]} heads, key {key.shape[1]}, but the module "
+                f"says num_key_value_groups={groups}"
+            )
         mask = _layer_mask(module, attention_mask, is_causal, kwargs, n, state)
         if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
             _check_positions(position_ids, state)
@@ -855,10 +909,119 @@ def __getattr__(name: str):  # SeqparCache imports transformers: loaded on first
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _prompt_fingerprints(input_ids: Tensor) -> list[int]:
+def _prompt_fingerprints(input_ids: Tensor, expand: int, limit: int) -> list[int]:
+    """What every CP rank must agree on before the prefill: the prompt (batch, length and a
+    fingerprint of its ids), the effective batch expansion (beams / returned sequences) and the
+    length limit (``max_new_tokens``, else ``max_length``), which decide the shapes and the number
+    of every later collective."""
     from .transformers_guard import fingerprint
 
-    return [int(input_ids.shape[0]), int(input_ids.shape[-1]), fingerprint(input_ids)]
+    return [int(input_ids.shape[0]), int(input_ids.shape[-1]), fingerprint(input_ids), expand, limit]
+
+
+def _effective_config(model: torch.nn.Module, generate_kwargs: dict[str, Any]) -> Any:
+    """The generation config ``model.generate`` will use for these kwargs, found the way it finds it:
+    kwargs over ``generation_config=`` over ``model.generation_config`` over the global defaults
+    (transformers' own ``_prepare_generation_config``, a copy; nothing of the model changes)."""
+    kwargs = dict(generate_kwargs)
+    given = kwargs.pop("generation_config", None)
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:  # pragma: no cover - every GenerationMixin of the supported releases has it
+        raise NotImplementedError(
+            f"seqpar generate: {type(model).__name__} has no _prepare_generation_config, so the effective "
+            "generation config (beams, stopping) cannot be read the way its generate reads it"
+        )
+    return prepare(given, **kwargs)[0]
+
+
+@functools.cache
+def _agreed_criteria_class() -> type:
+    """``StoppingCriteriaList`` whose answer is agreed by the CP group (Note [Stopping on shards])."""
+    from transformers import StoppingCriteriaList
+
+    from ..comm import exchange_ints
+
+    class AgreedStoppingCriteria(StoppingCriteriaList):
+        """The same criteria; every call ORs the per-row answers of the CP ranks (one all-gather of
+        ``1 + batch`` ints), and a criterion that raised on one rank raises on every rank."""
+
+        state: ParallelState
+
+        def __call__(self, input_ids: Tensor, scores: Any, **kwargs: Any) -> Tensor:
+            error: BaseException | None = None
+            try:
+                done = [int(d) for d in super().__call__(input_ids, scores, **kwargs).tolist()]
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                error, done = e, [0] * input_ids.shape[0]
+            rows = exchange_ints([int(error is not None), *done], self.state.cp_group, input_ids.device)
+            failed = [c for c, row in enumerate(rows) if row[0]]
+            if error is not None:
+                raise error
+            if failed:
+                raise RuntimeError(
+                    f"seqpar generate: a stopping criterion raised on CP rank(s) {failed} (their traceback has "
+                    "the error); this rank stops with them"
+                )
+            agreed = [max(column) for column in zip(*(row[1:] for row in rows))]
+            return torch.tensor(agreed, dtype=torch.bool, device=input_ids.device)
+
+    return AgreedStoppingCriteria
+
+
+@contextlib.contextmanager
+def _stopping_agreed(model: torch.nn.Module, state: ParallelState) -> Iterator[None]:
+    """Inside the block, the stopping criteria ``model.generate`` builds (its own and the caller's)
+    answer as one for the CP group.
+
+    Note [Stopping on shards]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~
+    Every CP rank runs transformers' decoding loop, and every step of it is a collective (each
+    attention layer merges the shards' partial outputs), so every rank must take the same number
+    of steps and finish the same rows. Stopping criteria may answer differently per rank:
+    ``max_time`` reads each rank's clock, a custom criterion may read anything. So after each
+    step the per-row answers of the CP ranks are all-gathered (``1 + batch`` ints, the first
+    saying whether the criteria raised) and OR-ed: a row stops when any rank's criteria say so
+    (for ``max_time``, the earliest clock, so no rank runs past its limit), and a criterion that
+    raised on one rank raises on every rank. transformers assembles the list in
+    ``_get_stopping_criteria`` and reads its members (the length limit, the EOS criterion)
+    elsewhere, so the list is replaced by one of the same members whose call is agreed: the
+    method is shadowed on this model instance for the call and the shadow removed on exit."""
+    if state.cp_size == 1:
+        yield
+        return
+    build = getattr(model, "_get_stopping_criteria", None)
+    if build is None:  # pragma: no cover - every GenerationMixin of the supported releases has it
+        raise NotImplementedError(
+            f"seqpar generate: {type(model).__name__} has no _get_stopping_criteria, so its stopping criteria "
+            "cannot be agreed by the CP ranks"
+        )
+    agreed_class = _agreed_criteria_class()
+
+    def agreed(*args: Any, **kwargs: Any) -> Any:
+        criteria = agreed_class(build(*args, **kwargs))
+        criteria.state = state
+        return criteria
+
+    shadowed = model.__dict__.get("_get_stopping_criteria", _ABSENT)
+    model.__dict__["_get_stopping_criteria"] = agreed
+    try:
+        yield
+    finally:
+        if shadowed is _ABSENT:
+            model.__dict__.pop("_get_stopping_criteria", None)
+        else:
+            model.__dict__["_get_stopping_criteria"] = shadowed
+
+
+def _served_by_cache(module: torch.nn.Module, key: Tensor, value: Tensor, state: ParallelState) -> tuple | None:
+    """``(cache, layer_idx, sharded)`` if this attention call serves a ``SeqparCache`` layer, else None:
+    ``key`` came from the cache's update (tagged), or the module derived its keys and values from
+    what the update returned (MLA's latent cache; Note [transformers cache on shards])."""
+    tagged = getattr(key, "_seqpar_cache", None)
+    if tagged is not None:
+        return tagged
+    cache_module = sys.modules.get(__name__ + "_cache")  # not loaded: no SeqparCache exists
+    return None if cache_module is None else cache_module.derived_binding(module, key, value, state)
 
 
 # transformers 5.24 renamed the models' ``past_key_values`` argument to ``cache`` and prefills the
@@ -886,40 +1049,118 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
     Every CP rank passes the *full* prompt and gets what ``model.generate`` returns on one device:
     the prompt but its last token is prefilled on shards (``seqpar.shard``; a prompt too short to
     give every rank a token is prefilled as one block instead), then transformers' own ``generate``
-    runs unchanged on every rank -- logits processors, greedy, beam search, sampling -- while every
+    runs on every rank -- logits processors, greedy, beam search, sampling -- while every
     attention layer decodes over ``SeqparCache``'s shards (Note [transformers cache on shards];
     ``docs/inference.md``). Sampling draws the same tokens on every CP rank: the default generators
-    are CP rank 0's for the call (``seqpar.rng.synchronized``).
+    are CP rank 0's for the call (``seqpar.rng.synchronized``). Stopping is decided once for the CP
+    group: a row stops when the stopping criteria of any CP rank say so (``max_time``, a custom
+    criterion that reads a clock; Note [Stopping on shards]).
 
     Args:
         model: a causal LM built with ``attn_implementation=register(state)``.
         input_ids: ``(batch, seqlen)`` int64, the same on every CP rank; no padding.
         state: the parallel state ``register`` bound the model's implementation to.
         generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``do_sample``,
-            ``num_beams``, ``output_scores``, ``return_dict_in_generate``, ...).
+            ``num_beams``, ``generation_config``, ``stopping_criteria``, ``output_scores``,
+            ``return_dict_in_generate``, ...). Beams and returned sequences are read from the
+            effective generation config, as ``model.generate`` reads them (kwargs over
+            ``generation_config`` over ``model.generation_config``). ``use_cache=True`` is
+            accepted (it is what seqpar does).
 
     Returns:
         What ``model.generate`` returns (the same on every CP rank).
 
     Raises:
-        ValueError: a model not built for ``state``'s implementation, prompts that differ between
-            CP ranks, a padding ``attention_mask``.
+        ValueError: a model not built for ``state``'s implementation, prompts or generation
+            settings (beams, length limit) that differ between CP ranks, a padding ``attention_mask``.
         NotImplementedError: options a sharded cache cannot serve (``past_key_values``,
             ``cache_implementation``, ``assistant_model``, ``prompt_lookup_num_tokens``,
-            ``inputs_embeds``, ``synced_gpus``), named in the message.
+            ``inputs_embeds``, ``synced_gpus``, ``use_cache=False``), named in the message.
+        Every check that can fail on one rank only fails on every CP rank.
     """
     from ..comm import exchange_ints
     from ..rng import synchronized
     from ..sharding import shard, shard_positions
     from .transformers_cache import SeqparCache
-    from .transformers_guard import binding
 
     require_state(state, "seqpar.integrations.transformers.generate")
     _require_cache_api("seqpar generate")
+    generate_kwargs = dict(generate_kwargs)
+    error: Exception | None = None
+    row = [0, 0, 0, 0, 0]
+    try:
+        config, expand = _check_generate(model, input_ids, state, generate_kwargs)
+        limit = config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+        row = _prompt_fingerprints(input_ids, expand, int(limit or 0))
+    except (ValueError, NotImplementedError) as e:  # raised on every CP rank, below
+        error = e
+    if state.cp_size > 1:
+        device = input_ids.device if isinstance(input_ids, Tensor) else torch.device("cpu")
+        rows = exchange_ints([int(error is not None), *row], state.cp_group, device)
+        failed = [c for c, r in enumerate(rows) if r[0]]
+        if error is None and failed:
+            error = ValueError(
+                f"seqpar generate: CP rank(s) {failed} refused the call (their error names the reason); "
+                "every CP rank stops with them"
+            )
+        elif error is None and any(r != rows[0] for r in rows):
+            error = ValueError(
+                "seqpar generate: the CP ranks passed different prompts or generation settings (batch, "
+                f"length, prompt fingerprint, beams or returned sequences, length limit: {[r[1:] for r in rows]}); "
+                "pass the same full prompt and the same generate arguments on every CP rank"
+            )
+    if error is not None:
+        raise error
+    layers = int(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                         "num_hidden_layers"))
+    prompt = input_ids.shape[-1] - 1
+    placement_ok = prompt >= 1 and min(
+        Placement.dense(prompt, state.ring_size, state.ulysses_size).shard_lengths
+    ) >= 1
+    cache = SeqparCache(state, layers, sharded_prefill=placement_ok)
+    try:
+        with torch.no_grad():
+            if placement_ok:
+                model(
+                    input_ids=shard(input_ids[:, :prompt], state),
+                    position_ids=shard_positions(prompt, state, device=input_ids.device)[None],
+                    past_key_values=cache, use_cache=True,
+                )
+        if expand > 1:  # generate repeats input_ids for beams / returned sequences but not a cache it is given
+            cache.kv.repeat(expand)
+        given = generate_kwargs.get("generation_config")
+        if given is not None:  # use_cache set on (a copy of) the config: no kwargs next to it
+            given = copy.deepcopy(given)
+            given.use_cache = True
+            generate_kwargs["generation_config"] = given
+        else:
+            generate_kwargs["use_cache"] = True
+        with synchronized(state, cuda=input_ids.device.type == "cuda"), _stopping_agreed(model, state):
+            return model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+    finally:
+        cache.release()
+
+
+def _check_generate(
+    model: torch.nn.Module, input_ids: Tensor, state: ParallelState, generate_kwargs: dict[str, Any],
+) -> tuple[Any, int]:
+    """This rank's checks of a :func:`generate` call (no communication); removes ``use_cache`` from
+    ``generate_kwargs``. Returns the effective generation config and how many rows
+    ``model.generate`` makes of each prompt (``max(num_beams, num_return_sequences)``)."""
+    from .transformers_guard import binding
+
     refused = sorted(k for k in generate_kwargs if k in _GENERATE_REFUSED)
     if refused:
         raise NotImplementedError(
             "seqpar generate: " + "; ".join(f"{k} is not supported ({_GENERATE_REFUSED[k]})" for k in refused)
+        )
+    use_cache = generate_kwargs.pop("use_cache", None)
+    given = generate_kwargs.get("generation_config")
+    if use_cache is False or (use_cache is None and getattr(given, "use_cache", True) is False):
+        raise NotImplementedError(
+            "seqpar generate: use_cache=False is not supported: generate decodes over seqpar's sharded KV cache "
+            "(without a cache every step would run the whole sequence again); leave use_cache out or pass "
+            "use_cache=True -- the tokens are the same"
         )
     config = getattr(model, "config", None)
     name = getattr(config, "_attn_implementation", None)
@@ -937,28 +1178,6 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
     mask = generate_kwargs.get("attention_mask")
     if isinstance(mask, Tensor) and not bool(mask.all()):
         raise ValueError("seqpar generate: the attention_mask has zeros (padding), which a sharded cache does not serve")
-    if state.cp_size > 1:
-        rows = exchange_ints(_prompt_fingerprints(input_ids), state.cp_group, input_ids.device)
-        if any(row != rows[0] for row in rows):
-            raise ValueError(
-                f"seqpar generate: the CP ranks passed different prompts (batch, length, fingerprint: {rows}); "
-                "pass the same full prompt on every CP rank"
-            )
-    layers = int(getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "num_hidden_layers"))
-    prompt = input_ids.shape[-1] - 1
-    placement_ok = prompt >= 1 and min(
-        Placement.dense(prompt, state.ring_size, state.ulysses_size).shard_lengths
-    ) >= 1
-    cache = SeqparCache(state, layers, sharded_prefill=placement_ok)
-    with torch.no_grad():
-        if placement_ok:
-            model(
-                input_ids=shard(input_ids[:, :prompt], state),
-                position_ids=shard_positions(prompt, state, device=input_ids.device)[None],
-                past_key_values=cache, use_cache=True,
-            )
-    beams = max(int(generate_kwargs.get("num_beams") or 1), int(generate_kwargs.get("num_return_sequences") or 1))
-    if beams > 1:
-        cache.kv.repeat(beams)
-    with synchronized(state, cuda=input_ids.device.type == "cuda"):
-        return model.generate(input_ids, past_key_values=cache, use_cache=True, **generate_kwargs)
+    effective = _effective_config(model, generate_kwargs)
+    expand = max(int(effective.num_beams or 1), int(effective.num_return_sequences or 1))
+    return effective, expand

@@ -9,8 +9,20 @@ of ``seqpar.integrations.transformers`` runs the layer through ``seqpar.inferenc
 (``sharded``: the first forward of a cache made with ``sharded_prefill=True``, with this rank's
 shard of the prompt) or ``seqpar.inference.decode`` (every later forward: the same new tokens on
 every rank), with the mask it recognised and the layer's softcap and sinks. A layer whose update
-is not followed by seqpar attention (a model that transforms the keys first, or computes attention
-itself) is caught at its next update.
+is not followed by seqpar attention (a model that computes attention itself) is caught at its next
+update.
+
+MLA models with a latent cache (DeepSeek V2/V3 and the other transformers modules with an
+``expand_kv``) update the cache with the compressed latents and then derive the keys and values
+from what the update returned: ``expand_kv`` up-projects every row on its own (a linear layer and
+a broadcast of the rotary part). The update returns the new rows only, so the attention function
+receives exactly the new rows' keys and values (all heads, ``Dv != D``), which the sharded cache
+keeps as K/V rows. The tag does not survive that derivation, so the attention function finds the
+layer by its pending update (:func:`derived_binding`: the same state, the module's
+``layer_idx``, the same batch and new-token count). A module that derives keys from the update's
+result without such a per-row expansion is not served (on one device the derivation would see
+every cached row, here only the new ones): its next update raises. :func:`generate` forgets the
+pending updates of its cache when it returns or raises (:meth:`SeqparCache.release`).
 
 Sizes follow transformers' conventions in global tokens: ``get_seq_length`` is the global length
 so far, so ``generate`` and the models number new tokens from it; ``get_mask_sizes`` reports
@@ -21,6 +33,7 @@ decoding) is refused.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -31,14 +44,37 @@ from ..inference import KVCache
 from ..inference.cache import LayerCache
 from ..state import ParallelState, require_state
 
-__all__ = ["SeqparCache", "cache_binding"]
+__all__ = ["SeqparCache", "cache_binding", "derived_binding"]
 
 _TAG = "_seqpar_cache"
+# (state handle, layer_idx) -> the cache whose layer was updated and awaits its attention call
+# (weak: a pending entry never keeps a cache alive). One forward runs at a time per state.
+_PENDING: dict[tuple[str, int], weakref.ref] = {}
 
 
 def cache_binding(key: Tensor) -> tuple[SeqparCache, int, bool] | None:
     """``(cache, layer_idx, sharded)`` if ``key`` came from :meth:`SeqparCache.update`, else ``None``."""
     return getattr(key, _TAG, None)
+
+
+def derived_binding(
+    module: torch.nn.Module, key: Tensor, value: Tensor, state: ParallelState,
+) -> tuple[SeqparCache, int, bool] | None:
+    """``(cache, layer_idx, sharded)`` for an attention call whose untagged ``key`` / ``value``
+    ``(batch, nheads, T, headdim)`` an MLA module (one with ``expand_kv``) derived from the pending
+    update of its layer (Note [transformers cache on shards]), else ``None``. A module deriving
+    keys any other way is not served here: its next update raises, naming why."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if not isinstance(layer_idx, int) or not callable(getattr(module, "expand_kv", None)):
+        return None
+    ref = _PENDING.get((state.handle, layer_idx))
+    cache = ref() if ref is not None else None
+    if cache is None or layer_idx >= len(cache.layers) or cache.layers[layer_idx].pending is None:
+        return None
+    batch, tokens, binding = cache.layers[layer_idx].pending
+    if key.shape[0] != batch or key.shape[2] != tokens or value.shape[2] != tokens:
+        return None
+    return binding
 
 
 class _Layer(CacheLayerMixin):
@@ -50,7 +86,7 @@ class _Layer(CacheLayerMixin):
     def __init__(self, owner: SeqparCache, index: int) -> None:
         super().__init__()
         self.owner, self.index = owner, index
-        self.pending = False  # an update whose attention has not run yet
+        self.pending: tuple | None = None  # an update whose attention has not run yet
 
     @property
     def rows(self) -> LayerCache:
@@ -72,9 +108,12 @@ class _Layer(CacheLayerMixin):
                 "interface, which a sharded KV cache cannot serve (docs/inference.md)"
             )
         self.is_initialized = True
-        self.pending = True
+        binding = (self.owner, self.index, self.sharded)
+        # batch and new tokens of the update, which keys derived from its result must have
+        self.pending = (key_states.shape[0], key_states.shape[-2], binding)
+        _PENDING[(self.owner.state.handle, self.index)] = weakref.ref(self.owner)
         key = key_states.view_as(key_states)  # a fresh tensor object to carry the tag
-        setattr(key, _TAG, (self.owner, self.index, self.sharded))
+        setattr(key, _TAG, binding)
         return key, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -144,9 +183,18 @@ class SeqparCache(Cache):
             )
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def release(self) -> None:
+        """Forget this cache's updates still awaiting attention (a forward that raised halfway), so
+        that no later attention call of the same state takes them for its own."""
+        for layer in self.layers:
+            if layer.pending is not None and _PENDING.get((self.state.handle, layer.index), lambda: None)() is self:
+                del _PENDING[(self.state.handle, layer.index)]
+            layer.pending = None
+
     def served(self, layer_idx: int) -> None:
         """Called by the attention function once layer ``layer_idx`` ran on the cache."""
-        self.layers[layer_idx].pending = False
+        self.layers[layer_idx].pending = None
+        _PENDING.pop((self.state.handle, layer_idx), None)
 
     def crop(self, max_length: int) -> None:
         if max_length < 0 or max_length < self.get_seq_length():

@@ -44,6 +44,25 @@ and ``HF_REFUSED_FAMILIES``, families ``register(state)`` refuses (docs/models.m
     gptj                  GPTJForCausalLM               partial interleaved RoPE, own attention module
     t5                    T5ForConditionalGeneration    relative position bias (encoder-decoder)
 
+and ``HF_MIXER_FAMILIES``, families with layers that mix tokens outside softmax attention, which
+``register(state)`` refuses on shards (``cp_size > 1``; the structural check of Note [transformers
+model checks]) and runs on one rank; two layers, the first of them a mixer (where the family has
+softmax layers, the second one is one)::
+
+    qwen3_next, qwen3_5_text, olmo_hybrid   gated delta rule + causal conv1d
+    kimi_linear, bailing_hybrid            Kimi delta attention + conv1d, MLA softmax
+    minimax                                lightning attention (linear, per-head decay)
+    nemotron_h, granitemoehybrid, bamba,   Mamba2 (SSD) + conv1d (falcon_h1: next to attention in
+    zamba2, mamba2, falcon_h1              every layer)
+    jamba, mamba                           Mamba1 selective scan + conv1d
+    lfm2, lfm3                             gated short convolution
+    qwen3_5_moe_text, lfm2_moe             the same mixers with MoE layers (listed last)
+    recurrent_gemma                        RG-LRU + conv1d, sliding softmax
+    xlstm                                  mLSTM (chunkwise)
+    deepseek_v4                            compressed KV (heavily compressed attention)
+    deepseek_v32, glm_moe_dsa              an indexer that selects keys (DeepSeek sparse attention)
+    minimax_m3_vl                          MiniMax-M3's text model: an indexer selecting key blocks
+
 MoE layers need ``experts_implementation="eager"`` in float64 (the grouped kernels take half and
 float32 only). Imports transformers only when called.
 """
@@ -52,7 +71,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HF_FAMILIES", "HF_MLA_FAMILIES", "HF_REFUSED_FAMILIES", "causal_lm_class", "tiny_hf_config"]
+__all__ = [
+    "HF_FAMILIES", "HF_MIXER_FAMILIES", "HF_MLA_FAMILIES", "HF_REFUSED_FAMILIES", "causal_lm_class", "tiny_hf_config",
+]
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=32,
@@ -184,6 +205,66 @@ _OWN: dict[str, tuple[str, str, dict[str, Any]]] = {
              decoder_start_token_id=0),
     ),
 }
+# Families with token mixers outside softmax attention (linear attention, state-space scans, short
+# convolutions, recurrences, indexers and compressors that pick keys): every field but vocab_size.
+_MIXER_COMMON: dict[str, Any] = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+    max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
+    initializer_range=0.1,
+)
+_GATED_DELTA = dict(
+    head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+               mamba_chunk_size=8)
+_LATENT = dict(kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)
+_INDEXED = dict(_LATENT, q_lora_rank=12, index_topk=4, index_head_dim=8, index_n_heads=2, mlp_layer_types=["dense", "dense"],
+                n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+_MIXERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
+        _GATED_DELTA, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", _GATED_DELTA),
+    "olmo_hybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig", _GATED_DELTA),
+    "kimi_linear": ("KimiLinearForCausalLM", "KimiLinearConfig", dict(
+        _LATENT, q_lora_rank=12, linear_head_dim=8, linear_num_heads=4, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "dense"])),
+    "bailing_hybrid": ("BailingHybridForCausalLM", "BailingHybridConfig", dict(
+        _LATENT, head_dim=8, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"])),
+    "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig", dict(
+        head_dim=8, layer_types=["linear_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1,
+        block_size=4)),
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(_MAMBA2, head_dim=8, layers_block_type=["mamba", "attention"])),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
+        _MAMBA2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1)),
+    "bamba": ("BambaForCausalLM", "BambaConfig", dict(_MAMBA2, attn_layer_indices=[1])),
+    "zamba2": ("Zamba2ForCausalLM", "Zamba2Config", dict(_MAMBA2, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1)),
+    "mamba2": ("Mamba2ForCausalLM", "Mamba2Config", dict(
+        num_heads=4, head_dim=16, n_groups=1, state_size=8, conv_kernel=4, expand=2, chunk_size=8)),
+    "falcon_h1": ("FalconH1ForCausalLM", "FalconH1Config", dict(_MAMBA2, head_dim=8, mamba_d_ssm=64)),
+    "jamba": ("JambaForCausalLM", "JambaConfig", dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+        mamba_d_state=4)),
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"])),
+    "lfm3": ("Lfm3ForCausalLM", "Lfm3Config", dict(layer_types=["conv", "full_attention"])),
+    "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", dict(
+        lru_width=32, block_types=["recurrent", "attention"], attention_window_size=8)),
+    "xlstm": ("xLSTMForCausalLM", "xLSTMConfig", dict(embedding_dim=32, num_heads=2, num_blocks=2, chunk_size=8)),
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(state_size=4, expand=2, conv_kernel=4)),
+    "deepseek_v4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", dict(head_dim=8)),
+    "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", _INDEXED),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", _INDEXED),
+    "minimax_m3_vl": ("MiniMaxM3VLForCausalLM", "MiniMaxM3VLTextConfig", dict(
+        head_dim=8, layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "dense"],
+        dense_intermediate_size=64, index_n_heads=2, index_head_dim=8, index_block_size=2, index_topk_blocks=2,
+        index_local_blocks=1, rotary_dim=4)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(
+        _GATED_DELTA, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "lfm2_moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(
+        layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16)),
+}
+HF_MIXER_FAMILIES: tuple[str, ...] = tuple(_MIXERS)
 HF_MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "mimo_v2_flash")
 HF_REFUSED_FAMILIES: tuple[str, ...] = tuple(f for f in _OWN if f not in HF_MLA_FAMILIES)
 
@@ -193,7 +274,11 @@ def _check_family(family: str) -> tuple[str, str, dict[str, Any]]:
         return _FAMILIES[family]
     if family in _OWN:
         return _OWN[family]
-    raise ValueError(f"unknown model family {family!r}; valid families: {list(HF_FAMILIES) + list(_OWN)}")
+    if family in _MIXERS:
+        return _MIXERS[family]
+    raise ValueError(
+        f"unknown model family {family!r}; valid families: {list(HF_FAMILIES) + list(_OWN) + list(_MIXERS)}"
+    )
 
 
 def tiny_hf_config(family: str, *, vocab_size: int = 97, **overrides: Any):
@@ -210,7 +295,7 @@ def tiny_hf_config(family: str, *, vocab_size: int = 97, **overrides: Any):
     import transformers
 
     _, config_name, fields = _check_family(family)
-    common = _COMMON if family in _FAMILIES else {}
+    common = _COMMON if family in _FAMILIES else _MIXER_COMMON if family in _MIXERS else {}
     return getattr(transformers, config_name)(**{**common, **fields, "vocab_size": vocab_size, **overrides})
 
 
