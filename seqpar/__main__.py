@@ -86,6 +86,18 @@ def _describe_machine(gpus: int, cores: int) -> str:
     return line
 
 
+def _state_arguments(candidate) -> str:
+    """The ``seqpar.ParallelState`` arguments that run ``candidate`` (a ``seqpar.planner.Candidate``),
+    as ``DegreePlan.state()`` passes them: the K/V transport wherever there is a ring, the kept head
+    shards when predicted with them."""
+    args = [f"ring_size={candidate.ring_size}", f"ulysses_size={candidate.ulysses_size}"]
+    if candidate.ring_size > 1:
+        args.append(f"ring_comm={candidate.ring_comm!r}")
+    if candidate.keep_head_shards:
+        args.append("keep_head_shards=True")
+    return ", ".join(args)
+
+
 def _info(args: argparse.Namespace) -> int:
     import os
     import platform
@@ -94,7 +106,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import seqpar
     from seqpar.backends import available_backends
-    from seqpar.planner import CostModel, plan
+    from seqpar.planner import TIE_RTOL, CostModel, plan
 
     print(f"seqpar {seqpar.__version__} from {os.path.dirname(seqpar.__file__)}")
     print(f"torch {torch.__version__}, python {platform.python_version()} ({sys.executable})")
@@ -121,11 +133,11 @@ def _info(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"python -m seqpar info: {e}", file=sys.stderr)
         return 2
-    tied = ", ".join(f"{c.ring_size} x {c.ulysses_size}" for c in choice.tied)
-    tied = f" (predicted tied with ring x ulysses {tied})" if tied else ""
-    print(f"\ndegree planner: ring {choice.ring_size} x ulysses {choice.ulysses_size}{tied} for {args.world} ranks, "
-          f"S={args.seq_len}, {args.dtype} (seqpar.ParallelState(ring_size={choice.ring_size}, "
-          f"ulysses_size={choice.ulysses_size}))")
+    print(f"\ndegree planner: {choice.chosen.label()} for {args.world} ranks, S={args.seq_len}, {args.dtype}; "
+          f"build it with seqpar.ParallelState({_state_arguments(choice.chosen)})")
+    if choice.tied:  # never the chosen candidate itself; the same split by another transport may be
+        print(f"  predicted within {TIE_RTOL:.0%} of it (closer than the cost model can tell apart; measure if it "
+              f"matters): " + "; ".join(f"ParallelState({_state_arguments(c)})" for c in choice.tied))
     for note in notes:
         print(f"  shape from this machine: {note}")
     print(choice)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .heads import HeadAssignment, head_assignments
 from .layout import Placement
 from .masks import Mask
-from .ring import SPLIT_KEYS_FROM, RingPlan, ring_plan, tile_pairs
+from .ring import SPLIT_KEYS_FROM, RingPlan, Step, ring_plan, tile_pairs
 
 __all__ = [
     "FWD_FLOPS_PER_PAIR",
@@ -44,6 +44,7 @@ __all__ = [
     "square_pairs",
     "StepWork",
     "step_work",
+    "work_of_step",
     "RingWork",
     "ring_work",
     "RankCost",
@@ -98,7 +99,12 @@ class StepWork:
 
 def step_work(plan: RingPlan, i: int) -> StepWork:
     """:class:`StepWork` of step ``i`` of ``plan``."""
-    step = plan.steps[i]
+    return work_of_step(plan.steps[i], remote=i > 0)
+
+
+def work_of_step(step: Step, *, remote: bool) -> StepWork:
+    """:class:`StepWork` of one ring step (``remote``: a step ``> 0``, whose wide unmasked blocks
+    run their backward in two calls)."""
     tiles = step.tiles
     sq, sk = tiles.q1 - tiles.q0, tiles.k1 - tiles.k0
     unbounded = tiles.wl < 0
@@ -108,7 +114,7 @@ def step_work(plan: RingPlan, i: int) -> StepWork:
     for kind, sel in masks.items():
         if bool(sel.any()):
             kinds[kind] = (tile_pairs(tiles.select(sel)), int(sq[sel].sum()), int((sq[sel] * sk[sel]).sum()))
-    wide = int((masks["full"] & (sk >= SPLIT_KEYS_FROM)).sum()) if i > 0 else 0
+    wide = int((masks["full"] & (sk >= SPLIT_KEYS_FROM)).sum()) if remote else 0
     return StepWork(
         sum(p for p, _, _ in kinds.values()), kinds, len(step.calls), len(step.calls) + wide,
         int(sq.sum()), int(sk.sum()), sum(b - a for a, b in step.send_rows), sum(b - a for a, b in step.recv_rows),

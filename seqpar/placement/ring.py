@@ -46,7 +46,7 @@ from torch import Tensor
 from .masks import Mask
 from .layout import Placement
 
-__all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "tile_pairs", "split_wide_blocks", "SPLIT_KEYS_FROM",
+__all__ = ["Tiles", "BlockCall", "SegmentCall", "Step", "RingPlan", "ring_plan", "ring_step", "pair_geometry", "tile_pairs", "split_wide_blocks", "SPLIT_KEYS_FROM",
            "sent_as_computed", "sums_keys", "is_single_block"]
 
 _NEG, _POS = -(1 << 60), 1 << 60
@@ -282,6 +282,68 @@ def _pair_tiles(qp: _Pieces, kp: _Pieces, mask: Mask, same_rank: bool, hi_of_key
     return joined.select(order)
 
 
+def pair_geometry(placement: Placement, mask: Mask) -> Tensor:
+    """int64 ``[R, R]``: a code per (query ring rank, key ring rank) of a dense sequence such that
+    two pairs with the same code get the same blocks, calls and K/V rows (in their own buffers):
+    ``ring_step`` of a pair depends only on the code (and, for the diagonal, being a rank's own
+    step). The code is the four pieces' lengths and, per (query piece, key piece), whether the
+    pair has no block, one whole unmasked block, or -- a mask edge cuts it -- the distance of
+    their starts (Note [Ring blocks]: a block depends on nothing else). The degree planner builds
+    one step per code instead of every rank's plan.
+
+    Raises:
+        ValueError: a placement of several sequences or free lengths, ``R == 1``, or a mask with
+            chunks, slices or ALiBi (whose blocks depend on more).
+    """
+    R = placement.ring_size
+    if R < 2 or len(placement.seq_lens) != 1 or not placement.positional or mask.chunk_size is not None \
+            or mask.slices is not None or mask.alibi:
+        raise ValueError(
+            f"pair_geometry: needs one dense sequence over R >= 2 ring ranks and a causal or window mask, got R={R}, "
+            f"{len(placement.seq_lens)} sequence(s), {mask.describe()}"
+        )
+    sizes, starts = (t[:, 0] for t in placement.chunks)
+    ranks = torch.arange(R)
+    pieces = (ranks, 2 * R - 1 - ranks)  # chunk r, then chunk 2R-1-r (Note [Sharding placement])
+    lo_b, hi_b = mask.band
+    # Distances are within +-S: a band side beyond that is unbounded (and int32 holds them all).
+    far = placement.total + 2
+    lo = -far if lo_b is None else max(lo_b, -far)
+    hi = far if hi_b is None else min(hi_b, far)
+    small = torch.int32 if 2 * far < 2**31 else torch.long
+    lengths, length_id = torch.unique(sizes, return_inverse=True)
+    nL = lengths.numel()
+    code = ((length_id[pieces[0]] * nL + length_id[pieces[1]]) * nL * nL)[:, None] \
+        + (length_id[pieces[0]] * nL + length_id[pieces[1]])[None, :]
+    kinds, deltas = [], []
+    for qc in pieces:
+        for kc in pieces:
+            nq, nk = sizes[qc][:, None], sizes[kc][None, :]
+            delta = (starts[qc][:, None] - starts[kc][None, :]).to(small)  # query start - key start
+            # _pair_tiles in closed form: a pair's keys lie at -delta - (nq - 1) ... -delta + nk - 1
+            # from its queries; no block when that range misses the band [lo, hi] (or a piece is
+            # empty), one whole unmasked block when the band holds it (untrimmed, no window side).
+            none_below = torch.where(nq > 0, -hi - (nq - 1), far).to(small)
+            none_above = torch.where(nk > 0, nk - 1 - lo, -far).to(small)
+            whole_from = torch.where(nk > 0, nk - 1 - hi, far).to(small)
+            whole_to = torch.where(nq > 0, -lo - (nq - 1), -far).to(small)
+            whole = (delta >= whole_from) & (delta <= whole_to)
+            cut = ~((delta < none_below) | (delta > none_above) | whole)
+            kinds.append((whole, cut))
+            deltas.append(delta)
+    distances = torch.unique(torch.cat([d[c] for d, (_, c) in zip(deltas, kinds)]))
+    radix = 2 + distances.numel()  # per (query piece, key piece): 0 no block, 1 whole, 2 + the distance's index: cut
+    if nL**4 * radix**4 >= 2**62:  # (never for a real shape: each distance cut is a mask edge)
+        columns = [code] + [torch.where(c, 2 + torch.searchsorted(distances, d), w.long()) for d, (w, c) in zip(deltas, kinds)]
+        return torch.unique(torch.stack([c.reshape(-1) for c in columns], 1), dim=0, return_inverse=True)[1].view(R, R)
+    for d, (whole, cut) in zip(deltas, kinds):
+        column = whole.long()
+        if distances.numel():
+            column = torch.where(cut, 2 + torch.searchsorted(distances, d), column)
+        code = code * radix + column
+    return code
+
+
 def _wave_class(run_q: Tensor, run_k: Tensor) -> Tensor:
     """0: pieces in the same order on both sides; 1: second query piece x first key piece;
     2: first query piece x second key piece. Blocks of one class increase together."""
@@ -448,22 +510,26 @@ def ring_plan(placement: Placement, ring_rank: int, mask: Mask, *, varlen: bool)
         mask: the mask in global positions (normalised by the caller).
         varlen: whether blocks may be grouped into varlen calls (buffers without a batch dim).
     """
-    R, r = placement.ring_size, ring_rank
+    steps = tuple(ring_step(placement, ring_rank, i, mask, varlen=varlen) for i in range(placement.ring_size))
+    return RingPlan(placement.ring_size, ring_rank, placement.ring_lengths[ring_rank], placement.ring_lengths, steps)
+
+
+def ring_step(placement: Placement, ring_rank: int, step: int, mask: Mask, *, varlen: bool) -> Step:
+    """Step ``step`` of ring rank ``ring_rank``'s plan (``ring_plan(...).steps[step]``), alone: the
+    degree planner builds one step per distinct shard geometry instead of every rank's plan."""
+    R, r, i = placement.ring_size, ring_rank, step
     q_len = placement.ring_lengths[r]
-    steps = []
-    for i in range(R):
-        src, dst = (r - i) % R, (r + i) % R
-        tiles = _all_tiles(placement, r, src, mask)
-        kv_len = placement.ring_lengths[src]
-        recv: tuple[tuple[int, int], ...] = ()
-        send: tuple[tuple[int, int], ...] = ()
-        if i > 0:
-            recv = tuple(tiles.key_ranges())
-            tiles = _remap(tiles, list(recv)) if recv else tiles
-            kv_len = sum(b - a for a, b in recv)
-            send = tuple(_all_tiles(placement, dst, r, mask).key_ranges())
-        steps.append(Step(src, recv, kv_len, _calls(tiles, q_len, kv_len, varlen), tiles, dst, send))
-    return RingPlan(R, r, q_len, placement.ring_lengths, tuple(steps))
+    src, dst = (r - i) % R, (r + i) % R
+    tiles = _all_tiles(placement, r, src, mask)
+    kv_len = placement.ring_lengths[src]
+    recv: tuple[tuple[int, int], ...] = ()
+    send: tuple[tuple[int, int], ...] = ()
+    if i > 0:
+        recv = tuple(tiles.key_ranges())
+        tiles = _remap(tiles, list(recv)) if recv else tiles
+        kv_len = sum(b - a for a, b in recv)
+        send = tuple(_all_tiles(placement, dst, r, mask).key_ranges())
+    return Step(src, recv, kv_len, _calls(tiles, q_len, kv_len, varlen), tiles, dst, send)
 
 
 # Unmasked blocks reading at least this many key rows run their backward in two halves of the

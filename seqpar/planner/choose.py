@@ -273,7 +273,9 @@ def plan(
     Every factorisation ``R x U = cp_size`` is predicted from the exact placement, head
     assignment and ring plan seqpar would run (Note [Planner prediction] in
     ``seqpar.planner.predict``) and the cost model (Note [Planner cost model]); the fastest is
-    chosen. Pure host maths, no communication; milliseconds for a few candidates.
+    chosen. Pure host maths, no communication: every ring step is built once per distinct shard
+    geometry (Note [Planner by shard geometry]), so a plan takes tens of milliseconds up to a few
+    dozen ranks and well under a second at ``cp_size`` 1024 (``docs/planner.md`` has the times).
 
     Args:
         cp_size: ``N``, ranks in the CP group.
@@ -342,7 +344,8 @@ def plan(
     best = min(cands, key=lambda c: (c.time_s, c.memory_bytes))
     serial = None
     if best.ring_size > 1 and best.ring_comm == "p2p":  # what the same split holds without overlap
-        serial = predict(shape, best.ring_size, best.ulysses_size, ranks_per_node, cost, "p2p_serial", keep_head_shards)
+        serial = predict(shape, best.ring_size, best.ulysses_size, ranks_per_node, cost, "p2p_serial",
+                         keep_head_shards)
     return DegreePlan(
         cp_size, ranks_per_node, shape, cost, tuple(cands), best,
         _explain(shape, cp_size, ranks_per_node, cost, cands, best, serial),
