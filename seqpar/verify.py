@@ -368,19 +368,33 @@ def _prepared(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
 
 def _local(full: Tensor, shape: torch.Size, positions: Tensor, seq_len: int) -> Tensor | None:
     """The rank's tokens of ``full`` (a reference tensor) in the layout of a sharded tensor of
-    ``shape``: dims of size ``k * S_local`` against ``k * S`` are sequence dims, indexed by
-    ``positions``; ``None`` if the shapes are no shard of one another."""
+    ``shape``: dims of size ``k * S_local`` against ``k * S`` are sequence dims (``[k, S]``
+    flattened, tokens inner), indexed by ``positions``; ``None`` if the shapes are no shard of one
+    another."""
+    return next(_locals(full, shape, positions, seq_len, inner_factors=False), None)
+
+
+def _locals(full: Tensor, shape: torch.Size, positions: Tensor, seq_len: int, *, inner_factors: bool = True):
+    """Every reading of :func:`_local`: a dim of ``k * S`` elements may also hold ``[k_out, S,
+    k_in]`` flattened (``k_out * k_in = k``: ``[B, S, H, D]`` reshaped to ``[B * S * H, D]`` by a
+    per-head norm), which the sizes alone cannot tell apart; each factorisation is one reading."""
     if full.dim() != len(shape):
-        return None
+        return
     n = positions.numel()
-    out = full
+    readings = [full]
     for d, (a, b) in enumerate(zip(shape, full.shape)):
         if a == b:
             continue
         if b % seq_len or a != b // seq_len * n:
-            return None
-        out = out.unflatten(d, (b // seq_len, seq_len)).index_select(d + 1, positions.to(full.device)).flatten(d, d + 1)
-    return out
+            return
+        k = b // seq_len
+        inner = [i for i in range(1, k + 1) if k % i == 0] if inner_factors else [1]
+        index = positions.to(full.device)
+        readings = [
+            r.unflatten(d, (k // i, seq_len, i)).index_select(d + 1, index).flatten(d, d + 2)
+            for r in readings for i in inner
+        ]
+    yield from readings
 
 
 def _error(sharded: Tensor, reference: Tensor) -> tuple[float, float]:
@@ -416,11 +430,12 @@ def _compare(sharded: dict[str, Tensor], reference: dict[str, Tensor], positions
         mine = sharded.get(label)
         if mine is None:
             continue
-        local = _local(ref, mine.shape, positions, seq_len)
-        if local is None:
+        readings = list(_locals(ref, mine.shape, positions, seq_len))
+        if not readings:
             out.unmatched += 1
         elif mine.shape != ref.shape or whole or positions.numel() == seq_len:
-            out.add(*_error(mine, local), tol)
+            # The reading that agrees best: a wrong result does not match every token layout.
+            out.add(*min((_error(mine, local) for local in readings), key=lambda e: e[0]), tol)
     return out
 
 

@@ -256,6 +256,17 @@ FRAGMENTS: dict[tuple[str, str], dict] = {
     ("docs/howto-trainers.md", "engine, _, _, _ = deepspeed.initialize("): dict(
         ranks=2, setup=_TRAINERS_ENV + "import deepspeed.utils.groups\ndeepspeed.utils.groups._WORLD_GROUP = None\n",
         teardown=_TRAINERS_RESTORE),
+    ("docs/hybrid-models.md", "rec = GatedDeltaRule(use_qk_l2norm=True"): dict(ranks=2, setup="""
+import types
+import torch
+import seqpar
+state = seqpar.ParallelState(ring_size=2)
+S = 11
+layer = types.SimpleNamespace(A_log=torch.zeros(2), dt_bias=torch.zeros(2))
+_g = torch.Generator().manual_seed(0)
+q, k, v = (seqpar.shard(torch.randn(1, S, 2, 4, generator=_g), state) for _ in range(3))
+a, beta = seqpar.shard(torch.randn(1, S, 2, generator=_g), state), seqpar.shard(torch.rand(1, S, 2, generator=_g), state)
+"""),
     ("docs/planner.md", "cost = calibrate(seqpar.ParallelState(ring_size=1, ulysses_size=2)"): dict(ranks=2),
     ("docs/howto-diffusers.md", "model = parallelize(model, state)"): dict(
         ranks=4, setup=_FLUX_PRETRAINED, teardown=_FLUX_RESTORE),

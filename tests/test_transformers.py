@@ -730,49 +730,9 @@ def test_import_seqpar_does_not_import_transformers():
 
 # --- hybrid models: layers that mix tokens outside attention ----------------------------------------
 
-_HYBRIDS = {
-    "JambaConfig": dict(num_hidden_layers=2, intermediate_size=64, attn_layer_period=2, attn_layer_offset=1,
-                        expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=4),
-    "Qwen3NextConfig": dict(num_hidden_layers=2, intermediate_size=64, layer_types=["linear_attention", "full_attention"],
-                            head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                            linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                            shared_expert_intermediate_size=16),
-    "Lfm2Config": dict(num_hidden_layers=2, intermediate_size=64, layer_types=["conv", "full_attention"]),
-}
 
-
-def _rank_hybrids(families: list[str]) -> dict[str, str]:
-    """Every hybrid family's call on shards: the error each rank raises (or 'ran')."""
-    import transformers
-
-    state = ParallelState(1, dist.get_world_size())
-    name = register(state, name="seqpar-test-hybrids")
-    out = {}
-    for family in families:
-        config = getattr(transformers, family)(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
-                                               num_key_value_heads=2, **_HYBRIDS[family])
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).eval()
-        ids = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
-        try:
-            model(input_ids=shard(ids, state), position_ids=shard_positions(13, state)[None])
-            out[family] = "ran"
-        except NotImplementedError as e:
-            out[family] = str(e)
-    state.close()
-    return out
-
-
-def test_hybrid_models_with_sequence_mixers_are_refused_on_every_rank(pools):
-    """Mamba mixers, gated delta nets and short convolutions would see one rank's tokens only: a
-    silently wrong model unless refused (every rank raises before running it)."""
-    import transformers
-
-    families = [f for f in _HYBRIDS if hasattr(transformers, f)]
-    if not families:
-        pytest.skip("this transformers has none of Jamba, Qwen3-Next, LFM2")
-    for rank, out in enumerate(pools(2).run(_rank_hybrids, families)):
-        for family in families:
-            assert "mix tokens outside attention" in out[family], f"rank {rank}, {family}: {out[family]}"
+# Hybrid models (Jamba, Qwen3-Next, LFM2, ...): exact through seqpar.integrations.transformers_mixers or refused
+# on every rank by the structural check -- tests/test_model_check.py and tests/test_hybrid_*.py.
 
 
 def test_kv_cache_refuses_transformers_with_the_renamed_cache_argument(monkeypatch):

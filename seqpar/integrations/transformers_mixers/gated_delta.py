@@ -1,0 +1,221 @@
+"""Gated delta nets (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo Hybrid), exact on sequence shards.
+
+Note [Gated delta net on shards]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A gated delta net layer (transformers 5.23: ``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``,
+``Qwen3_5MoeGatedDeltaNet``, ``OlmoHybridGatedDeltaNet``) projects its input to q, k (``Hk``
+heads of ``Dk``), v (``Hv`` heads of ``Dv``), a decay ``g`` and a gate ``beta`` (``Hv`` each),
+runs a depthwise causal conv1d over the q/k/v channels, then the gated delta rule, then a gated
+norm and the output projection. Only the conv and the rule mix tokens, and both are per head (a
+q/k channel belongs to one K head, a v channel to one V head; ``Hk`` divides ``Hv``, K head ``j``
+serving V heads ``j * Hv/Hk ..``: the grouped heads of ``head_parallel``).
+
+So the two run as **one** head-parallel call (Note [Head-parallel mixing]): the pre-conv q, k, v
+and ``g``, ``beta`` go to whole sequences of ``Hv / cp_size`` V heads (and the K heads those
+read), where the model's own conv kernel runs on those heads' channels and the model's own rule
+kernel on those heads, and the output comes back to token shards. One exchange each way instead
+of two (conv, then rule), and bitwise the one-device kernels on those heads.
+
+The layer's own forward runs on the shard with its two kernel names rebound (Note [Rebound
+kernels]): ``causal_conv1d_fn`` becomes a placeholder that returns its input (a depthwise conv on a
+shard would read the wrong history) and records its weight, bias and activation; the forward's
+token-wise steps between the two calls (transpose, split into q/k/v, reshape to heads) run on the
+pre-conv channels; ``torch_chunk_gated_delta_rule`` then receives q/k/v, checks that they are views
+of what the conv was given (nothing but a re-layout happened in between) and runs conv and rule
+head-parallel. Decoding with a cache (``cache_params``: conv and recurrent states) and packed
+batches (``cu_seq_lens_q``, ``seq_idx``) are refused: this step does not hand states across ranks.
+Both refusals follow from the call's arguments, which every CP rank passes alike, so every rank
+raises the same error before any collective.
+
+Read against transformers 5.23's modeling files; a forward of another shape is refused when the
+adapter is installed (``rebind.original_kernels``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ...mixing import HeadShard, head_parallel
+from ...state import ParallelState
+from . import register_adapter
+from .rebind import original_kernels, rebind_forward, set_forward
+
+__all__: list[str] = []
+
+_CLASSES = (
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet",
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
+)
+_CONV, _RULE = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
+_DECODE = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule")  # cached one-token steps
+_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask")
+# transformers' packed-batch kwargs: positions within the shard, not the sequence.
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+
+
+def refuse_call(module: nn.Module, cache: object, kwargs: dict[str, Any], cache_name: str) -> None:
+    """Refuse what this step does not run on shards (the same on every rank: see the Note).
+
+    Raises:
+        NotImplementedError: a cache holding the layer's states, or packed-batch kwargs.
+    """
+    name = type(module).__name__
+    if cache is not None:
+        raise NotImplementedError(
+            f"seqpar: {name} on sequence shards does not support a cache ({cache_name}={type(cache).__name__}): "
+            "the layer's states (conv, recurrent) would cover this rank's tokens only. Decoding and "
+            "generate with a cache are not supported for hybrid models on shards yet; call the model "
+            "with use_cache=False, or generate with cp_size 1"
+        )
+    packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
+    if packed:
+        raise NotImplementedError(
+            f"seqpar: {name} on sequence shards does not support packed batches ({', '.join(packed)}); "
+            "pass one sequence per row with position_ids=seqpar.shard_positions(S, state)[None]"
+        )
+
+
+def refuse_decode_kernel(name: str) -> Callable[..., Any]:
+    """A stand-in for a cached one-token kernel: reached only with a cache, which is refused first."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"seqpar: {name} (cached decoding) is not supported on sequence shards")
+
+    return refused
+
+
+@dataclass(eq=False)
+class _Conv:
+    """What the forward passed to its conv kernel, for the rule to run it."""
+
+    x: Tensor  # [B, C, S_local], the pre-conv q/k/v channels
+    weight: Tensor  # [C, K]
+    bias: Tensor | None
+    activation: str | None
+
+
+class _GatedDeltaKernels:
+    """The conv and rule kernels one gated delta net instance runs with on ``state``'s shards."""
+
+    def __init__(self, module: nn.Module, state: ParallelState) -> None:
+        kernels = original_kernels(module, (_CONV, _RULE), _PARAMETERS)
+        self.name = type(module).__name__
+        self.state = state
+        self.conv_kernel, self.rule_kernel = kernels[_CONV], kernels[_RULE]
+        self.pending: _Conv | None = None  # set by conv, taken by rule, within one forward
+
+    def conv(self, hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
+             activation: str | None = None, **kwargs: Any) -> Tensor:
+        """Placeholder of ``causal_conv1d_fn``: the conv runs inside :meth:`rule` (see the Note)."""
+        if self.pending is not None:
+            raise self._shape_error("calls its conv twice before the gated delta rule")
+        if hidden_states.ndim != 3 or weight.ndim != 2 or weight.shape[0] != hidden_states.shape[1]:
+            raise self._shape_error(
+                f"passes its conv x {tuple(hidden_states.shape)} and weight {tuple(weight.shape)}, not "
+                "[B, C, S] and [C, K]"
+            )
+        self.pending = _Conv(hidden_states, weight, bias, activation)
+        return hidden_states
+
+    def rule(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
+             initial_state: Tensor | None = None, output_final_state: bool = False,
+             use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None, **kwargs: Any,
+             ) -> tuple[Tensor, None]:
+        """``torch_chunk_gated_delta_rule`` on shards: conv + rule, one head-parallel call."""
+        conv, self.pending = self.pending, None
+        if conv is None:
+            raise self._shape_error("calls the gated delta rule without its conv")
+        if initial_state is not None or output_final_state or cu_seqlens is not None:
+            raise NotImplementedError(
+                f"seqpar: {self.name} on sequence shards takes no initial or final recurrent state and "
+                "no packed batch (cache decoding and cu_seqlens are not supported on shards yet)"
+            )
+        hk, dk = query.shape[-2:]
+        hv, dv = value.shape[-2:]
+        channels = (hk * dk, hk * dk, hv * dv)
+        same = conv.x.untyped_storage().data_ptr()
+        if (
+            query.ndim != 4 or tuple(key.shape) != tuple(query.shape) or value.ndim != 4 or hv % hk
+            or sum(channels) != conv.x.shape[1] or g.shape[-1] != hv or beta.shape[-1] != hv
+            or any(t.untyped_storage().data_ptr() != same for t in (query, key, value))
+        ):
+            raise self._shape_error(
+                f"passes the rule q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}, "
+                f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
+                f"{tuple(conv.x.shape)} channels"
+            )
+        extra = {k: kwargs[k] for k in ("chunk_size",) if k in kwargs}
+        conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
+
+        def mix(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+            # This rank's channels of the conv weight: q and k rows per K head, v rows per V head.
+            def mine(t: Tensor | None) -> Tensor | None:
+                if t is None:
+                    return None
+                tq, tk, tv = t.split(channels)
+                return torch.cat([
+                    shard.narrow(tq.unflatten(0, (hk, dk)), 0, hk).flatten(0, 1),
+                    shard.narrow(tk.unflatten(0, (hk, dk)), 0, hk).flatten(0, 1),
+                    shard.narrow(tv.unflatten(0, (hv, dv)), 0, hv).flatten(0, 1),
+                ])
+
+            mq, mv = q.shape[2], v.shape[2]
+            # [B, c, S] channel-last, as the forward lays out its conv input
+            x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)
+            y = conv_kernel(x, mine(conv.weight), mine(conv.bias), activation=conv.activation)
+            q, k, v = y.transpose(1, 2).split([mq * dk, mq * dk, mv * dv], dim=-1)
+            # One K head per V head of this rank (its V heads may read K heads in any ratio).
+            q = shard.expand(q.unflatten(-1, (mq, dk)), hk, dim=2)
+            k = shard.expand(k.unflatten(-1, (mq, dk)), hk, dim=2)
+            out, _ = rule_kernel(
+                q, k, v.unflatten(-1, (mv, dv)), g=g, beta=beta, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **extra,
+            )
+            return out
+
+        out = head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv)
+        return out, None
+
+    def _shape_error(self, what: str) -> NotImplementedError:
+        import transformers
+
+        return NotImplementedError(
+            f"seqpar: {self.name}'s forward {what}; its adapter was written against transformers 5.23 "
+            f"(installed: {transformers.__version__}). Run the model with cp_size 1, or report the version"
+        )
+
+
+def _install(module: nn.Module, state: ParallelState) -> None:
+    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
+        return
+    kernels = _GatedDeltaKernels(module, state)
+    rebound = rebind_forward(module, {
+        _CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _DECODE},
+    })
+    signature = inspect.signature(type(module).forward)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs).arguments
+        refuse_call(self, call.get("cache_params"), {**call.get("kwargs", {})}, "cache_params")
+        kernels.pending = None
+        try:
+            out = rebound(self, *args, **kwargs)
+        finally:
+            left, kernels.pending = kernels.pending, None
+        if left is not None:
+            raise kernels._shape_error("calls its conv but not the gated delta rule")
+        return out
+
+    set_forward(module, forward)
+
+
+for _qualname in _CLASSES:
+    register_adapter(_qualname)(_install)

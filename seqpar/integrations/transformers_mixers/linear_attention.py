@@ -1,0 +1,258 @@
+"""Linear attention (MiniMax lightning attention, Kimi delta attention), exact on sequence shards.
+
+Note [Linear attention on shards]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Both layer kinds here mix tokens only through a per-head recurrence (and, for KDA, a depthwise
+conv over channels that each belong to one head), so both run head-parallel (Note [Head-parallel
+mixing]): the recurrence's inputs go to whole sequences of ``H / cp_size`` heads, the module's own
+computation runs there, and the output comes back to token shards; one exchange each way. The
+projections, gates and norms around it stay token-wise on the shard.
+
+**MiniMax lightning attention** (``MiniMaxLightningAttention``) computes, per head with slope
+``s``, ``o_i = sum_{j <= i} exp(-s (i - j)) (q_i . k_j) v_j``, in blocks of ``block_size`` tokens:
+an intra-block product with the ``diagonal_decay`` mask plus the decayed ``K^T V`` state of the
+blocks before. The block loop is written inline in the forward (no kernel function to rebind), so
+the adapter gives the instance a forward that runs the same steps as the class's (projection,
+activation, padding mask, then the loop, norm, output gate, projection) with the loop moved into
+the head-parallel call, on the module's own buffers narrowed to the rank's heads. The blocks are
+cut from the global sequence start, as on one device, so the result is the one-device loop's on
+those heads. The forward's second output (the final ``K^T V`` state, for a cache) is ``None``.
+
+**Kimi delta attention** (``KimiLinearDeltaAttention``, ``BailingHybridDeltaAttention``): q, k,
+v (``H`` heads of ``D`` each), a per-channel decay ``g`` ``[B, S, H, D]`` and a gate ``beta``
+``[B, S, H]``, a depthwise causal conv1d over the q/k/v channels, then the chunked KDA rule. As
+for the gated delta net (Note [Gated delta net on shards]) the forward runs on the shard with its
+kernel names rebound (Note [Rebound kernels]): ``causal_conv1d_fn`` records its arguments and
+returns its input, and ``chunk_kimi_delta_attention`` runs conv and rule in one head-parallel
+call, each the modeling file's own function (the installed kernel or the torch fallback).
+
+Decoding with a cache (MiniMax's ``past_key_values``, KDA's ``cache_params``) and packed batches
+are refused from the call's arguments, which every CP rank passes alike, so every rank raises the
+same error before any collective. Read against transformers 5.23's modeling files; a forward of
+another shape is refused when the adapter is installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...mixing import HeadShard, head_parallel
+from ...state import ParallelState
+from . import register_adapter
+from .gated_delta import refuse_call, refuse_decode_kernel
+from .rebind import original_kernels, rebind_forward, set_forward
+
+__all__: list[str] = []
+
+
+def _version_error(cls: type, what: str) -> NotImplementedError:
+    import transformers
+
+    return NotImplementedError(
+        f"seqpar: {cls.__name__}'s forward {what}; its adapter was written against transformers 5.23 "
+        f"(installed: {transformers.__version__}). Run the model with cp_size 1, or report the version"
+    )
+
+
+# --- MiniMax lightning attention ------------------------------------------------------------------
+
+_LIGHTNING = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention"
+_LIGHTNING_PARAMETERS = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+# What the 5.23 forward reads of the module; the adapter's forward reads the same.
+_LIGHTNING_READS = ("qkv_proj", "act_fn", "norm", "output_gate", "out_proj", "slope_rate", "query_decay",
+                    "key_decay", "diagonal_decay", "block_size", "num_attention_heads", "head_dim")
+
+
+def _lightning_blocks(module: nn.Module, shard: HeadShard, qkv: Tensor) -> Tensor:
+    """The forward's block loop (no cache) on whole sequences of this rank's heads.
+
+    Args:
+        qkv: ``[B, S, h, 3 * D]``, this rank's heads after the activation and padding mask.
+
+    Returns:
+        ``[B, S, h, D]``.
+    """
+    d, block = module.head_dim, module.block_size
+    batch, seq_len, heads = qkv.shape[:3]
+    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, d, dim=3))  # [B, h, S, D]
+    slope = shard.narrow(module.slope_rate)  # [h, 1, 1]
+    query_decay, key_decay = shard.narrow(module.query_decay), shard.narrow(module.key_decay)  # [h, block, 1]
+    diagonal_decay = shard.narrow(module.diagonal_decay, dim=1)  # [1, h, block, block]
+    kv = torch.zeros(batch, heads, d, d, device=v.device, dtype=v.dtype)
+    out = []
+    for start in range(0, seq_len, block):
+        end = min(start + block, seq_len)
+        size = end - start
+        qb, kb, vb = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diagonal_decay[:, :, :size, :size], vb)
+        inter = torch.matmul(qb * query_decay[:, :size], kv)
+        out.append(inter + intra)
+        kv = kv * torch.exp(-slope * size) + torch.matmul((kb * key_decay[:, -size:]).transpose(-1, -2), vb)
+    return torch.cat(out, dim=-2).transpose(1, 2)
+
+
+def _check_lightning(module: nn.Module) -> None:
+    cls = type(module)
+    inner = inspect.unwrap(inspect.getattr_static(cls, "forward"))
+    got = list(inspect.signature(inner).parameters)
+    if got[: len(_LIGHTNING_PARAMETERS)] != list(_LIGHTNING_PARAMETERS):
+        raise _version_error(cls, f"takes {got}, not {list(_LIGHTNING_PARAMETERS)} first")
+    names = set(inner.__code__.co_names) if hasattr(inner, "__code__") else set()
+    missing = [n for n in _LIGHTNING_READS if n not in names or not hasattr(module, n)]
+    if missing or "get_linear_cache" not in names:
+        raise _version_error(cls, f"does not compute lightning attention from {missing or ['get_linear_cache']}")
+
+
+def _install_lightning(module: nn.Module, state: ParallelState) -> None:
+    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
+        return
+    _check_lightning(module)
+    signature = inspect.signature(type(module).forward)
+    apply_mask = inspect.unwrap(type(module).forward).__globals__.get("apply_mask_to_padding_states")
+    if not callable(apply_mask):
+        raise _version_error(type(module), "does not call apply_mask_to_padding_states")
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
+        call = signature.bind(self, *args, **kwargs).arguments
+        refuse_call(self, call.get("past_key_values"), {**call.get("kwargs", {})}, "past_key_values")
+        hidden_states, attention_mask = call["hidden_states"], call.get("attention_mask")
+        batch, local, _ = hidden_states.shape
+        heads, d = self.num_attention_heads, self.head_dim
+        qkv = apply_mask(self.act_fn(self.qkv_proj(hidden_states)), attention_mask)  # token-wise
+        qkv = qkv.reshape(batch, local, heads, 3 * d)
+        out = head_parallel(lambda shard, x: _lightning_blocks(self, shard, x), [qkv], state)
+        out = self.norm(out.reshape(batch, local, heads * d))
+        out = F.sigmoid(self.output_gate(hidden_states)) * out
+        return self.out_proj(out), None  # no K^T V state: decoding with a cache is refused above
+
+    set_forward(module, forward)
+
+
+register_adapter(_LIGHTNING)(_install_lightning)
+
+
+# --- Kimi delta attention -------------------------------------------------------------------------
+
+_KDA_CLASSES = (
+    "transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
+    "transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention",
+)
+_CONV, _RULE = "causal_conv1d_fn", "chunk_kimi_delta_attention"
+_KDA_DECODE = ("causal_conv1d_update", "recurrent_kimi_delta_attention")  # cached one-token steps
+_KDA_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask")
+
+
+@dataclass(eq=False)
+class _Conv:
+    """What the forward passed to its conv kernel, for the rule to run it."""
+
+    x: Tensor  # [B, 3 * H * D, S_local], the pre-conv q/k/v channels
+    weight: Tensor  # [3 * H * D, K]
+    bias: Tensor | None
+    activation: str | None
+
+
+class _KimiDeltaKernels:
+    """The conv and KDA kernels one layer instance runs with on ``state``'s shards."""
+
+    def __init__(self, module: nn.Module, state: ParallelState) -> None:
+        kernels = original_kernels(module, (_CONV, _RULE), _KDA_PARAMETERS)
+        self.cls = type(module)
+        self.state = state
+        self.conv_kernel, self.rule_kernel = kernels[_CONV], kernels[_RULE]
+        self.pending: _Conv | None = None  # set by conv, taken by rule, within one forward
+
+    def conv(self, hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
+             activation: str | None = None, **kwargs: Any) -> Tensor:
+        """Placeholder of ``causal_conv1d_fn``: the conv runs inside :meth:`rule`."""
+        if self.pending is not None:
+            raise _version_error(self.cls, "calls its conv twice before the delta rule")
+        if hidden_states.ndim != 3 or weight.ndim != 2 or weight.shape[0] != hidden_states.shape[1]:
+            raise _version_error(
+                self.cls, f"passes its conv x {tuple(hidden_states.shape)} and weight {tuple(weight.shape)}, "
+                "not [B, C, S] and [C, K]"
+            )
+        self.pending = _Conv(hidden_states, weight, bias, activation)
+        return hidden_states
+
+    def rule(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
+             initial_state: Tensor | None = None, output_final_state: bool = False,
+             use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None, **kwargs: Any,
+             ) -> tuple[Tensor, None]:
+        """``chunk_kimi_delta_attention`` on shards: conv + rule, one head-parallel call."""
+        conv, self.pending = self.pending, None
+        if conv is None:
+            raise _version_error(self.cls, "calls the delta rule without its conv")
+        if initial_state is not None or output_final_state or cu_seqlens is not None:
+            raise NotImplementedError(
+                f"seqpar: {self.cls.__name__} on sequence shards takes no initial or final recurrent state "
+                "and no packed batch (cache decoding and cu_seqlens are not supported on shards yet)"
+            )
+        heads, d = query.shape[-2:]
+        same = conv.x.untyped_storage().data_ptr()
+        if (
+            query.ndim != 4 or any(tuple(t.shape) != tuple(query.shape) for t in (key, value, g))
+            or tuple(beta.shape) != tuple(query.shape[:3]) or 3 * heads * d != conv.x.shape[1]
+            or any(t.untyped_storage().data_ptr() != same for t in (query, key, value))
+        ):
+            raise _version_error(
+                self.cls, f"passes the rule q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}, "
+                f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
+                f"{tuple(conv.x.shape)} channels with a per-channel decay"
+            )
+        extra = {k: kwargs[k] for k in ("chunk_size",) if k in kwargs}
+        conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
+
+        def mine(t: Tensor | None, shard: HeadShard) -> Tensor | None:
+            # This rank's rows of a conv parameter laid out [q | k | v], each H heads of D channels.
+            if t is None:
+                return None
+            return torch.cat([shard.narrow(p.unflatten(0, (heads, d))).flatten(0, 1) for p in t.chunk(3)])
+
+        def mix(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+            h = q.shape[2]
+            # [B, c, S] channels first, as the forward lays out its conv input
+            x = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)
+            y = conv_kernel(x, weight=mine(conv.weight, shard), bias=mine(conv.bias, shard), activation=conv.activation)
+            q, k, v = (t.unflatten(-1, (h, d)) for t in y.transpose(1, 2).split(h * d, dim=-1))
+            out, _ = rule_kernel(
+                q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **extra,
+            )
+            return out
+
+        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=heads), None
+
+
+def _install_kda(module: nn.Module, state: ParallelState) -> None:
+    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
+        return
+    kernels = _KimiDeltaKernels(module, state)
+    rebound = rebind_forward(module, {
+        _CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _KDA_DECODE},
+    })
+    signature = inspect.signature(type(module).forward)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs).arguments
+        refuse_call(self, call.get("cache_params"), {**call.get("kwargs", {})}, "cache_params")
+        kernels.pending = None
+        try:
+            out = rebound(self, *args, **kwargs)
+        finally:
+            left, kernels.pending = kernels.pending, None
+        if left is not None:
+            raise _version_error(type(self), "calls its conv but not the delta rule")
+        return out
+
+    set_forward(module, forward)
+
+
+for _qualname in _KDA_CLASSES:
+    register_adapter(_qualname)(_install_kda)

@@ -1,0 +1,124 @@
+"""A module's own forward, run with some of the kernel functions it calls swapped for seqpar's.
+
+Note [Rebound kernels]
+~~~~~~~~~~~~~~~~~~~~~~
+transformers 5.23's hybrid layers call their sequence kernels as module-level functions of their
+modeling file (``causal_conv1d_fn(...)``, ``torch_chunk_gated_delta_rule(...)``: the
+causal-conv1d / flash-linear-attention kernel where installed, else a torch fallback, chosen when
+the file is imported). On shards only those calls need to change, to run on whole sequences of
+some heads (Note [Head-parallel mixing]); the projections, gates and norms around them are
+token-wise and keep running on the shard, as the modeling code wrote them.
+
+So an adapter gives the module *instance* a forward made of the class's own code (same code
+object, defaults and closure) whose global namespace is a copy of its modeling module's with the
+kernel names bound to seqpar's functions. Decorators that wrap the forward with
+``functools.wraps`` and hold it in their closure (transformers' ``force_accelerate_hooks``) are
+rebuilt around it. Nothing of the class or the modeling module changes: other instances and other
+models keep the original kernels, and ``module.forward`` is the only attribute set.
+
+The code is checked, not trusted: every swapped name must be a global that the forward reads, and
+the forward's leading parameters must be the ones the adapter was written against; otherwise the
+adapter refuses to install, naming the class and the transformers version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import nn
+
+__all__ = ["original_kernels", "rebind_forward", "set_forward"]
+
+_REBOUND = "_seqpar_rebound"  # attribute of a forward built here
+
+
+def _refuse(cls: type, what: str) -> NotImplementedError:
+    import transformers
+
+    return NotImplementedError(
+        f"seqpar: cannot adapt {cls.__name__} to sequence shards: {what}. Its adapter was written "
+        f"against transformers 5.23 (installed: {transformers.__version__}); run the model with "
+        "cp_size 1, or report the version so that the adapter can follow it"
+    )
+
+
+def _innermost(cls: type) -> types.FunctionType:
+    forward = inspect.getattr_static(cls, "forward", None)
+    if not isinstance(forward, types.FunctionType):
+        raise _refuse(cls, f"its forward is a {type(forward).__name__}, not a Python function")
+    inner = inspect.unwrap(forward)
+    if not isinstance(inner, types.FunctionType):
+        raise _refuse(cls, "its forward wraps something that is not a Python function")
+    return inner
+
+
+def original_kernels(module: nn.Module, names: Sequence[str], parameters: Sequence[str]) -> dict[str, Callable]:
+    """The functions that ``type(module).forward`` calls under ``names`` (its modeling module's
+    globals), after checking that its code reads each of them and that its parameters start
+    with ``parameters`` (``self`` first).
+
+    Raises:
+        NotImplementedError: a forward of another shape (another transformers version, a forward
+            replaced by a kernel hub), naming what differs.
+    """
+    cls = type(module)
+    own = vars(module).get("forward")
+    if own is not None and not getattr(getattr(own, "__func__", own), _REBOUND, False):
+        raise _refuse(cls, "this instance's forward was replaced (by a kernel hub or another library)")
+    inner = _innermost(cls)
+    got = list(inspect.signature(inner).parameters)
+    if got[: len(parameters)] != list(parameters):
+        raise _refuse(cls, f"its forward takes {got}, not {list(parameters)} first")
+    out = {}
+    for name in names:
+        value = inner.__globals__.get(name)
+        if name not in inner.__code__.co_names or not callable(value):
+            raise _refuse(cls, f"its forward does not call a module-level function {name}")
+        out[name] = value
+    return out
+
+
+def _rebuild(fn: types.FunctionType, kernels: Mapping[str, Callable], cls: type) -> types.FunctionType:
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        namespace = {**fn.__globals__, **kernels}
+        closure = fn.__closure__
+    else:
+        new_inner = _rebuild(inner, kernels, cls)
+        cells = list(fn.__closure__ or ())
+        holds = [i for i, c in enumerate(cells) if _contents(c) is inner]
+        if not holds:
+            raise _refuse(cls, f"its forward is wrapped by {fn.__qualname__}, which does not hold it in its closure")
+        for i in holds:
+            cells[i] = types.CellType(new_inner)
+        namespace, closure = fn.__globals__, tuple(cells)
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__ = fn.__qualname__
+    if inner is not None:
+        new.__wrapped__ = new_inner
+    return new
+
+
+def _contents(cell: types.CellType) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def rebind_forward(module: nn.Module, kernels: Mapping[str, Callable]) -> types.FunctionType:
+    """``type(module).forward`` with the globals ``kernels`` names bound to ``kernels``' values
+    (Note [Rebound kernels]), unbound: call it with the module first. Check the forward with
+    :func:`original_kernels` first."""
+    cls = type(module)
+    return _rebuild(inspect.getattr_static(cls, "forward"), kernels, cls)
+
+
+def set_forward(module: nn.Module, forward: Callable) -> None:
+    """Make ``forward(module, ...)`` this instance's forward (replacing one set here before)."""
+    setattr(forward, _REBOUND, True)
+    object.__setattr__(module, "forward", types.MethodType(forward, module))

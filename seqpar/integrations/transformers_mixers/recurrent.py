@@ -1,0 +1,219 @@
+"""Per-channel and per-head recurrences (RecurrentGemma's RG-LRU block, xLSTM's mLSTM), exact on shards.
+
+Note [RG-LRU on shards]
+~~~~~~~~~~~~~~~~~~~~~~~
+RecurrentGemma's recurrent block (transformers 5.23: ``RecurrentGemmaRecurrentBlock``) mixes
+tokens twice, both per channel of its ``lru_width`` channels: a depthwise causal ``conv_1d`` over
+the x branch, then the RG-LRU's linear scan ``h_t = a_t * h_{t-1} + x_t`` (``a_t`` zeroed where
+the position id is 0: a new document). The gates between them are token-wise (block-diagonal per
+head, from the same token), as are the y branch and the projections.
+
+So each of the two runs head-parallel with every channel a head (Note [Head-parallel mixing]): the
+conv with the module's own weight and bias narrowed to the rank's channels, the scan as the
+module's own ``_rnn_scan`` on whole sequences of those channels, the reset flags travelling along
+as a one-head tensor (every rank receives them all, in global order). The block's forward runs on
+the shard as written; the adapter only routes ``conv_1d``'s forward and ``rg_lru._rnn_scan``
+through those calls while the adapted forward runs (other calls of those children are untouched).
+
+Caches (``use_cache=True``: the conv and recurrent states the block keeps on itself) and packed
+batches are refused from the call's arguments, which every CP rank passes alike, so every rank
+raises the same error before any collective. Read against transformers 5.23's modeling file; a
+block of another shape is refused when the adapter is installed.
+
+xLSTM's mLSTM backend is a per-head recurrence with its own Note below (Note [mLSTM on shards]).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...comm import exchange_ints
+from ...mixing import HeadShard, head_parallel
+from ...state import ParallelState
+from . import register_adapter
+from .gated_delta import refuse_call
+from .rebind import set_forward
+
+__all__: list[str] = []
+
+_BLOCK = "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock"
+_PARAMETERS = ("self", "input_states", "position_ids", "attention_mask", "use_cache")
+
+
+def _refuse(cls: type, what: str) -> NotImplementedError:
+    import transformers
+
+    return NotImplementedError(
+        f"seqpar: cannot adapt {cls.__name__} to sequence shards: {what}. Its adapter was written against "
+        f"transformers 5.23 (installed: {transformers.__version__}); run the model with cp_size 1, or "
+        "report the version"
+    )
+
+
+def _check(module: nn.Module) -> None:
+    cls = type(module)
+    inner = inspect.unwrap(inspect.getattr_static(cls, "forward"))
+    got = list(inspect.signature(inner).parameters)
+    if got[: len(_PARAMETERS)] != list(_PARAMETERS):
+        raise _refuse(cls, f"its forward takes {got}, not {list(_PARAMETERS)} first")
+    if not {"conv_1d", "rg_lru"} <= set(inner.__code__.co_names):
+        raise _refuse(cls, "its forward does not call conv_1d and rg_lru")
+    conv, lru = getattr(module, "conv_1d", None), getattr(module, "rg_lru", None)
+    if (
+        not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels or conv.out_channels != conv.in_channels
+        or conv.stride != (1,) or conv.dilation != (1,) or conv.padding != (conv.kernel_size[0] - 1,)
+        or conv.padding_mode != "zeros"
+    ):
+        raise _refuse(cls, f"its conv_1d is {conv!r}, not a depthwise causal Conv1d")
+    scan = inspect.getattr_static(type(lru), "_rnn_scan", None) if lru is not None else None
+    if not isinstance(scan, types.FunctionType) or "_rnn_scan" in vars(lru):
+        raise _refuse(cls, "its rg_lru has no _rnn_scan method (or it was replaced)")
+    want = ["self", "hidden_states", "recurrent_gate", "reset", "recurrent_states"]
+    if list(inspect.signature(scan).parameters)[:5] != want:
+        raise _refuse(cls, "its rg_lru._rnn_scan takes other arguments")
+
+
+class _Recurrence:
+    """The conv and scan one block instance runs with on ``state``'s shards, while ``active``."""
+
+    def __init__(self, module: nn.Module, state: ParallelState) -> None:
+        self.block = module
+        self.state = state
+        self.active = False  # within the adapted forward only
+        self.conv_forward = type(module.conv_1d).forward
+        self.scan = inspect.getattr_static(type(module.rg_lru), "_rnn_scan")
+
+    def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        """``conv_1d``'s forward: ``x`` ``[B, C, S_local]`` to ``[B, C, S_local]`` (the block cuts
+        the output to ``S_local`` tokens, which it already is)."""
+        if not self.active:
+            return self.conv_forward(conv, x)
+
+        def mix(shard: HeadShard, xs: Tensor) -> Tensor:  # [B, S, c], whole sequences
+            weight = shard.narrow(conv.weight)
+            bias = None if conv.bias is None else shard.narrow(conv.bias)
+            y = F.conv1d(xs.transpose(1, 2), weight, bias, padding=conv.padding, groups=weight.shape[0])
+            return y[..., : xs.shape[1]].transpose(1, 2)
+
+        return head_parallel(mix, [x.transpose(1, 2)], self.state).transpose(1, 2)
+
+    def rnn_scan(self, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor,
+                 recurrent_states: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
+        """``rg_lru._rnn_scan`` on shards: ``[B, S_local, W]`` inputs, ``reset`` ``[B, S_local, 1]``."""
+        lru = self.block.rg_lru
+        if not self.active:
+            return self.scan(lru, hidden_states, recurrent_gate, reset, recurrent_states, **kwargs)
+        if recurrent_states is not None:
+            raise NotImplementedError(
+                f"seqpar: {type(self.block).__name__} on sequence shards takes no recurrent state (decoding "
+                "with a cache is not supported on shards yet); call the model with use_cache=False"
+            )
+        scan = self.scan
+
+        def mix(shard: HeadShard, x: Tensor, a: Tensor, r: Tensor) -> Tensor:
+            out, _ = scan(lru, x, a, r != 0, None, **kwargs)
+            return out
+
+        # One "head" (every rank receives it whole), per row: position ids may have one row for all.
+        flags = reset.to(hidden_states.dtype).expand(hidden_states.shape[0], -1, -1)
+        out = head_parallel(mix, [hidden_states, recurrent_gate, flags], self.state, heads=hidden_states.shape[-1])
+        return out, None
+
+
+def _install(module: nn.Module, state: ParallelState) -> None:
+    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
+        return
+    _check(module)
+    recurrence = _Recurrence(module, state)
+    object.__setattr__(module.conv_1d, "forward", types.MethodType(recurrence.conv, module.conv_1d))
+    object.__setattr__(module.rg_lru, "_rnn_scan", recurrence.rnn_scan)
+    cls_forward = type(module).forward
+    signature = inspect.signature(cls_forward)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs).arguments
+        use_cache = call.get("use_cache", signature.parameters["use_cache"].default)
+        if use_cache:
+            raise NotImplementedError(
+                f"seqpar: {type(self).__name__} on sequence shards does not support a cache (use_cache=True): "
+                "the conv and recurrent states it keeps would cover this rank's tokens only. Decoding and "
+                "generate with a cache are not supported for hybrid models on shards yet; call the model "
+                "with use_cache=False, or generate with cp_size 1"
+            )
+        refuse_call(self, None, {**call.get("kwargs", {})}, "use_cache")
+        recurrence.active = True
+        try:
+            return cls_forward(self, *args, **kwargs)
+        finally:
+            recurrence.active = False
+
+    set_forward(module, forward)
+
+
+register_adapter(_BLOCK)(_install)
+
+
+# --- xLSTM (mLSTM) --------------------------------------------------------------------------------
+
+_MLSTM = "transformers.models.xlstm.modeling_xlstm.xLSTMBackend"  # the native backend (no xlstm package)
+_MLSTM_PARAMETERS = ("self", "query", "key", "value", "igate", "fgate", "c_initial", "n_initial", "m_initial",
+                     "return_last_states", "mode")
+
+
+def _install_mlstm(module: nn.Module, state: ParallelState) -> None:
+    """Note [mLSTM on shards]: xLSTM's backend gets q, k ``[B, nh, S, Dqk]``, v ``[B, nh, S, Dv]``
+    and the input / forget gate pre-activations ``[B, nh, S]``, and runs the mLSTM recurrence per
+    head (chunkwise from the sequence start, the remainder step by step). The adapter runs the
+    backend's own forward on whole sequences of ``nh / cp_size`` heads (Note [Head-parallel
+    mixing]); the projections, gates' soft caps, the multi-head norm and output gate stay on the
+    shard. Initial states (a cache, or xLSTMModel's chunked inference path, taken in eval mode when
+    the shard is longer than ``config.max_inference_chunksize``) are refused; since that path
+    depends on each rank's shard length, the ranks first exchange one flag so that all of them raise
+    together. The final states are not returned (``None``)."""
+    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
+        return
+    cls = type(module)
+    cls_forward = inspect.getattr_static(cls, "forward")
+    got = list(inspect.signature(cls_forward).parameters) if isinstance(cls_forward, types.FunctionType) else []
+    if got != list(_MLSTM_PARAMETERS) or not hasattr(module, "config"):
+        raise _refuse(cls, f"its forward takes {got}, not {list(_MLSTM_PARAMETERS)}")
+    signature = inspect.signature(cls_forward)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        query = a["query"]
+        carried = any(a[k] is not None for k in ("c_initial", "n_initial", "m_initial"))
+        flags = exchange_ints([int(carried)], state.cp_group, query.device)
+        if any(row[0] for row in flags):
+            raise NotImplementedError(
+                f"seqpar: {cls.__name__} on sequence shards takes no initial states (cp rank "
+                f"{next(c for c, row in enumerate(flags) if row[0])} was given some): decoding with a cache and "
+                "xLSTMModel's chunked inference (a shard longer than config.max_inference_chunksize in eval "
+                "mode) are not supported on shards; call the model with use_cache=False and raise "
+                "config.max_inference_chunksize, or run with cp_size 1"
+            )
+        mode = a["mode"] or self.config.mode
+        last = a["return_last_states"]
+        tupled = "train" not in mode or (self.config.return_last_states if last is None else last)
+
+        def mix(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor) -> Tensor:
+            out = cls_forward(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), i.transpose(1, 2),
+                              f.transpose(1, 2), None, None, None, last, mode)
+            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+        tensors = [a["query"], a["key"], a["value"], a["igate"], a["fgate"]]
+        h = head_parallel(mix, [t.transpose(1, 2) for t in tensors], state).transpose(1, 2)
+        return (h, None) if tupled else h
+
+    set_forward(module, forward)
+
+
+register_adapter(_MLSTM)(_install_mlstm)
