@@ -193,13 +193,14 @@ class _GatedDeltaKernels:
         )
 
 
-def _install(module: nn.Module, state: ParallelState) -> None:
-    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
-        return
-    kernels = _GatedDeltaKernels(module, state)
-    rebound = rebind_forward(module, {
-        _CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _DECODE},
-    })
+def install_conv_and_rule(
+    module: nn.Module, kernels: Any, replaced: dict[str, Any], missing_rule: Callable[[], Exception],
+) -> None:
+    """Give ``module`` its class's forward with the names in ``replaced`` rebound (``kernels.conv``
+    and ``kernels.rule``: one head-parallel call, Note [Gated delta net on shards]), refusing a cache
+    or packed kwargs first and a forward that ran the conv but not the rule after (``missing_rule``).
+    Shared by the gated delta nets and Kimi delta attention."""
+    rebound = rebind_forward(module, replaced)
     signature = inspect.signature(type(module).forward)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -211,10 +212,20 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         finally:
             left, kernels.pending = kernels.pending, None
         if left is not None:
-            raise kernels._shape_error("calls its conv but not the gated delta rule")
+            raise missing_rule()
         return out
 
     set_forward(module, forward)
+
+
+def _install(module: nn.Module, state: ParallelState) -> None:
+    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
+        return
+    kernels = _GatedDeltaKernels(module, state)
+    install_conv_and_rule(
+        module, kernels, {_CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _DECODE}},
+        lambda: kernels._shape_error("calls its conv but not the gated delta rule"),
+    )
 
 
 for _qualname in _CLASSES:

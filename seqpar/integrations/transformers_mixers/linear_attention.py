@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from ...mixing import HeadShard, head_parallel
 from ...state import ParallelState
 from . import register_adapter
-from .gated_delta import refuse_call, refuse_decode_kernel
-from .rebind import original_kernels, rebind_forward, set_forward
+from .gated_delta import install_conv_and_rule, refuse_call, refuse_decode_kernel
+from .rebind import original_kernels, set_forward
 
 __all__: list[str] = []
 
@@ -234,24 +234,11 @@ def _install_kda(module: nn.Module, state: ParallelState) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
     kernels = _KimiDeltaKernels(module, state)
-    rebound = rebind_forward(module, {
-        _CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _KDA_DECODE},
-    })
-    signature = inspect.signature(type(module).forward)
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        call = signature.bind(self, *args, **kwargs).arguments
-        refuse_call(self, call.get("cache_params"), {**call.get("kwargs", {})}, "cache_params")
-        kernels.pending = None
-        try:
-            out = rebound(self, *args, **kwargs)
-        finally:
-            left, kernels.pending = kernels.pending, None
-        if left is not None:
-            raise _version_error(type(self), "calls its conv but not the delta rule")
-        return out
-
-    set_forward(module, forward)
+    install_conv_and_rule(
+        module, kernels,
+        {_CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _KDA_DECODE}},
+        lambda: _version_error(type(module), "calls its conv but not the delta rule"),
+    )
 
 
 for _qualname in _KDA_CLASSES:

@@ -29,7 +29,6 @@ import inspect
 import types
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
