@@ -335,6 +335,7 @@ def test_top_level_export():
     assert "longest" in p.table() and p.breakdown["layer"]["fixed"]["parameters"] > 0
 
 
+@pytest.mark.slow  # a script run (minutes of CPU): the slow marker, like the other script runs
 def test_bench_longest_tiny_measured_against_predicted(tmp_path):
     """A tiny stack (hidden 64) on 2 x 2: the fitted line predicts a 2x longer run within 3%, and
     the validation (predicted longest fits, with 0.25 MiB kept free, +10% does not) passes.
