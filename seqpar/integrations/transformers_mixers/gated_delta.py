@@ -93,7 +93,7 @@ def refuse_decode_kernel(name: str) -> Callable[..., Any]:
 
 
 @dataclass(eq=False)
-class _Conv:
+class ConvCall:
     """What the forward passed to its conv kernel, for the rule to run it."""
 
     x: Tensor  # [B, C, S_local], the pre-conv q/k/v channels
@@ -102,42 +102,74 @@ class _Conv:
     activation: str | None
 
 
-class _GatedDeltaKernels:
-    """The conv and rule kernels one gated delta net instance runs with on ``state``'s shards."""
+class ConvAndRuleKernels:
+    """The conv and delta-rule kernels one layer instance runs with on ``state``'s shards: the
+    forward's conv call is a placeholder that records its arguments, and its rule call runs the
+    conv and the rule in one head-parallel call (Note [Gated delta net on shards]). A subclass
+    names its rule and implements :meth:`mix`; shared by the gated delta nets and Kimi delta
+    attention."""
 
-    def __init__(self, module: nn.Module, state: ParallelState) -> None:
-        kernels = original_kernels(module, (_CONV, _RULE), _PARAMETERS)
+    rule_name = "gated delta rule"  # in messages
+    kernel_names = (_CONV, _RULE)  # the module-level names the forward calls its conv and rule by
+
+    def __init__(self, module: nn.Module, state: ParallelState, parameters: tuple[str, ...]) -> None:
+        kernels = original_kernels(module, self.kernel_names, parameters)
         self.name = type(module).__name__
         self.state = state
-        self.conv_kernel, self.rule_kernel = kernels[_CONV], kernels[_RULE]
-        self.pending: _Conv | None = None  # set by conv, taken by rule, within one forward
+        self.conv_kernel, self.rule_kernel = (kernels[n] for n in self.kernel_names)
+        self.pending: ConvCall | None = None  # set by conv, taken by rule, within one forward
 
     def conv(self, hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
              activation: str | None = None, **kwargs: Any) -> Tensor:
         """Placeholder of ``causal_conv1d_fn``: the conv runs inside :meth:`rule` (see the Note)."""
         if self.pending is not None:
-            raise self._shape_error("calls its conv twice before the gated delta rule")
+            raise self._shape_error(f"calls its conv twice before the {self.rule_name}")
         if hidden_states.ndim != 3 or weight.ndim != 2 or weight.shape[0] != hidden_states.shape[1]:
             raise self._shape_error(
                 f"passes its conv x {tuple(hidden_states.shape)} and weight {tuple(weight.shape)}, not "
                 "[B, C, S] and [C, K]"
             )
-        self.pending = _Conv(hidden_states, weight, bias, activation)
+        self.pending = ConvCall(hidden_states, weight, bias, activation)
         return hidden_states
 
     def rule(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
              initial_state: Tensor | None = None, output_final_state: bool = False,
              use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None, **kwargs: Any,
              ) -> tuple[Tensor, None]:
-        """``torch_chunk_gated_delta_rule`` on shards: conv + rule, one head-parallel call."""
+        """The rule kernel on shards: conv + rule, one head-parallel call (:meth:`mix`)."""
         conv, self.pending = self.pending, None
         if conv is None:
-            raise self._shape_error("calls the gated delta rule without its conv")
+            raise self._shape_error(f"calls the {self.rule_name} without its conv")
         if initial_state is not None or output_final_state or cu_seqlens is not None:
             raise NotImplementedError(
                 f"seqpar: {self.name} on sequence shards takes no initial or final recurrent state and "
                 "no packed batch (cache decoding and cu_seqlens are not supported on shards yet)"
             )
+        extra = {k: kwargs[k] for k in ("chunk_size",) if k in kwargs}
+        return self.mix(conv, query, key, value, g, beta, use_qk_l2norm_in_kernel, extra), None
+
+    def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+            use_qk_l2norm_in_kernel: bool, extra: dict[str, Any]) -> Tensor:
+        """This rank's shard of the rule's output, the conv and rule run head-parallel."""
+        raise NotImplementedError
+
+    def _shape_error(self, what: str) -> NotImplementedError:
+        import transformers
+
+        return NotImplementedError(
+            f"seqpar: {self.name}'s forward {what}; its adapter was written against transformers 5.23 "
+            f"(installed: {transformers.__version__}). Run the model with cp_size 1, or report the version"
+        )
+
+
+class _GatedDeltaKernels(ConvAndRuleKernels):
+    """Qwen3-Next / Qwen3.5 / OLMo-Hybrid: q, k with K heads, v with V heads reading them."""
+
+    def __init__(self, module: nn.Module, state: ParallelState) -> None:
+        super().__init__(module, state, _PARAMETERS)
+
+    def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+            use_qk_l2norm_in_kernel: bool, extra: dict[str, Any]) -> Tensor:
         hk, dk = query.shape[-2:]
         hv, dv = value.shape[-2:]
         channels = (hk * dk, hk * dk, hv * dv)
@@ -152,7 +184,6 @@ class _GatedDeltaKernels:
                 f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
                 f"{tuple(conv.x.shape)} channels"
             )
-        extra = {k: kwargs[k] for k in ("chunk_size",) if k in kwargs}
         conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
 
         def mix(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
@@ -181,25 +212,17 @@ class _GatedDeltaKernels:
             )
             return out
 
-        out = head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv)
-        return out, None
-
-    def _shape_error(self, what: str) -> NotImplementedError:
-        import transformers
-
-        return NotImplementedError(
-            f"seqpar: {self.name}'s forward {what}; its adapter was written against transformers 5.23 "
-            f"(installed: {transformers.__version__}). Run the model with cp_size 1, or report the version"
-        )
+        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv)
 
 
-def install_conv_and_rule(
-    module: nn.Module, kernels: Any, replaced: dict[str, Any], missing_rule: Callable[[], Exception],
-) -> None:
-    """Give ``module`` its class's forward with the names in ``replaced`` rebound (``kernels.conv``
-    and ``kernels.rule``: one head-parallel call, Note [Gated delta net on shards]), refusing a cache
-    or packed kwargs first and a forward that ran the conv but not the rule after (``missing_rule``).
-    Shared by the gated delta nets and Kimi delta attention."""
+
+def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode: tuple[str, ...]) -> None:
+    """Give ``module`` its class's forward with its conv and rule kernels rebound to ``kernels``
+    (one head-parallel call, Note [Gated delta net on shards]) and its cached one-token kernels
+    (``decode``) refused, refusing a cache or packed kwargs first and a forward that ran the conv but
+    not the rule after. Shared by the gated delta nets and Kimi delta attention."""
+    conv, rule = kernels.kernel_names
+    replaced = {conv: kernels.conv, rule: kernels.rule, **{k: refuse_decode_kernel(k) for k in decode}}
     rebound = rebind_forward(module, replaced)
     signature = inspect.signature(type(module).forward)
 
@@ -212,7 +235,7 @@ def install_conv_and_rule(
         finally:
             left, kernels.pending = kernels.pending, None
         if left is not None:
-            raise missing_rule()
+            raise kernels._shape_error(f"calls its conv but not the {kernels.rule_name}")
         return out
 
     set_forward(module, forward)
@@ -221,11 +244,7 @@ def install_conv_and_rule(
 def _install(module: nn.Module, state: ParallelState) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
-    kernels = _GatedDeltaKernels(module, state)
-    install_conv_and_rule(
-        module, kernels, {_CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _DECODE}},
-        lambda: kernels._shape_error("calls its conv but not the gated delta rule"),
-    )
+    install_conv_and_rule(module, _GatedDeltaKernels(module, state), _DECODE)
 
 
 for _qualname in _CLASSES:

@@ -35,7 +35,6 @@ another shape is refused when the adapter is installed.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,8 +44,8 @@ from torch import Tensor, nn
 from ...mixing import HeadShard, head_parallel
 from ...state import ParallelState
 from . import register_adapter
-from .gated_delta import install_conv_and_rule, refuse_call, refuse_decode_kernel
-from .rebind import original_kernels, set_forward
+from .gated_delta import ConvAndRuleKernels, ConvCall, install_conv_and_rule, refuse_call
+from .rebind import set_forward
 
 __all__: list[str] = []
 
@@ -148,52 +147,17 @@ _KDA_DECODE = ("causal_conv1d_update", "recurrent_kimi_delta_attention")  # cach
 _KDA_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask")
 
 
-@dataclass(eq=False)
-class _Conv:
-    """What the forward passed to its conv kernel, for the rule to run it."""
+class _KimiDeltaKernels(ConvAndRuleKernels):
+    """Kimi Linear / Bailing-Hybrid: q, k, v and the per-channel decay ``g`` with the same heads."""
 
-    x: Tensor  # [B, 3 * H * D, S_local], the pre-conv q/k/v channels
-    weight: Tensor  # [3 * H * D, K]
-    bias: Tensor | None
-    activation: str | None
-
-
-class _KimiDeltaKernels:
-    """The conv and KDA kernels one layer instance runs with on ``state``'s shards."""
+    rule_name = "delta rule"
+    kernel_names = (_CONV, _RULE)
 
     def __init__(self, module: nn.Module, state: ParallelState) -> None:
-        kernels = original_kernels(module, (_CONV, _RULE), _KDA_PARAMETERS)
-        self.cls = type(module)
-        self.state = state
-        self.conv_kernel, self.rule_kernel = kernels[_CONV], kernels[_RULE]
-        self.pending: _Conv | None = None  # set by conv, taken by rule, within one forward
+        super().__init__(module, state, _KDA_PARAMETERS)
 
-    def conv(self, hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
-             activation: str | None = None, **kwargs: Any) -> Tensor:
-        """Placeholder of ``causal_conv1d_fn``: the conv runs inside :meth:`rule`."""
-        if self.pending is not None:
-            raise _version_error(self.cls, "calls its conv twice before the delta rule")
-        if hidden_states.ndim != 3 or weight.ndim != 2 or weight.shape[0] != hidden_states.shape[1]:
-            raise _version_error(
-                self.cls, f"passes its conv x {tuple(hidden_states.shape)} and weight {tuple(weight.shape)}, "
-                "not [B, C, S] and [C, K]"
-            )
-        self.pending = _Conv(hidden_states, weight, bias, activation)
-        return hidden_states
-
-    def rule(self, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
-             initial_state: Tensor | None = None, output_final_state: bool = False,
-             use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None, **kwargs: Any,
-             ) -> tuple[Tensor, None]:
-        """``chunk_kimi_delta_attention`` on shards: conv + rule, one head-parallel call."""
-        conv, self.pending = self.pending, None
-        if conv is None:
-            raise _version_error(self.cls, "calls the delta rule without its conv")
-        if initial_state is not None or output_final_state or cu_seqlens is not None:
-            raise NotImplementedError(
-                f"seqpar: {self.cls.__name__} on sequence shards takes no initial or final recurrent state "
-                "and no packed batch (cache decoding and cu_seqlens are not supported on shards yet)"
-            )
+    def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
+            use_qk_l2norm_in_kernel: bool, extra: dict[str, Any]) -> Tensor:
         heads, d = query.shape[-2:]
         same = conv.x.untyped_storage().data_ptr()
         if (
@@ -201,12 +165,11 @@ class _KimiDeltaKernels:
             or tuple(beta.shape) != tuple(query.shape[:3]) or 3 * heads * d != conv.x.shape[1]
             or any(t.untyped_storage().data_ptr() != same for t in (query, key, value))
         ):
-            raise _version_error(
-                self.cls, f"passes the rule q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}, "
+            raise self._shape_error(
+                f"passes the rule q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}, "
                 f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
                 f"{tuple(conv.x.shape)} channels with a per-channel decay"
             )
-        extra = {k: kwargs[k] for k in ("chunk_size",) if k in kwargs}
         conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
 
         def mine(t: Tensor | None, shard: HeadShard) -> Tensor | None:
@@ -227,18 +190,13 @@ class _KimiDeltaKernels:
             )
             return out
 
-        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=heads), None
+        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=heads)
 
 
 def _install_kda(module: nn.Module, state: ParallelState) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
-    kernels = _KimiDeltaKernels(module, state)
-    install_conv_and_rule(
-        module, kernels,
-        {_CONV: kernels.conv, _RULE: kernels.rule, **{k: refuse_decode_kernel(k) for k in _KDA_DECODE}},
-        lambda: _version_error(type(module), "calls its conv but not the delta rule"),
-    )
+    install_conv_and_rule(module, _KimiDeltaKernels(module, state), _KDA_DECODE)
 
 
 for _qualname in _KDA_CLASSES:
