@@ -584,12 +584,12 @@ def _refuse_token_mixers(model: nn.Module, state: ParallelState) -> None:
     """
     from .transformers_mixers import handled, install
 
+    found = _model_token_mixers(model)  # cached: an ordinary model's call stops here
+    if not found:
+        return
     install(model, state)  # Note [transformers token-mixer adapters]: adapted modules are exact
     modules = dict(model.named_modules())
-    mixers = [
-        m for m in _model_token_mixers(model)
-        if not any(handled(modules[p], state) for p in _ancestors(m.path) if p in modules)
-    ]
+    mixers = [m for m in found if not any(handled(modules[p], state) for p in _ancestors(m.path) if p in modules)]
     if not mixers:
         return
     shown = "; ".join(map(str, mixers[:4])) + (f"; and {len(mixers) - 4} more" if len(mixers) > 4 else "")
