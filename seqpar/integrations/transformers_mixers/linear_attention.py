@@ -45,18 +45,9 @@ from ...mixing import HeadShard, head_parallel
 from ...state import ParallelState
 from . import register_adapter
 from .gated_delta import ConvAndRuleKernels, ConvCall, install_conv_and_rule, refuse_call
-from .rebind import set_forward
+from .rebind import checked_forward, refuse_adapting, set_forward
 
 __all__: list[str] = []
-
-
-def _version_error(cls: type, what: str) -> NotImplementedError:
-    import transformers
-
-    return NotImplementedError(
-        f"seqpar: {cls.__name__}'s forward {what}; its adapter was written against transformers 5.23 "
-        f"(installed: {transformers.__version__}). Run the model with cp_size 1, or report the version"
-    )
 
 
 # --- MiniMax lightning attention ------------------------------------------------------------------
@@ -98,14 +89,10 @@ def _lightning_blocks(module: nn.Module, shard: HeadShard, qkv: Tensor) -> Tenso
 
 def _check_lightning(module: nn.Module) -> None:
     cls = type(module)
-    inner = inspect.unwrap(inspect.getattr_static(cls, "forward"))
-    got = list(inspect.signature(inner).parameters)
-    if got[: len(_LIGHTNING_PARAMETERS)] != list(_LIGHTNING_PARAMETERS):
-        raise _version_error(cls, f"takes {got}, not {list(_LIGHTNING_PARAMETERS)} first")
-    names = set(inner.__code__.co_names) if hasattr(inner, "__code__") else set()
-    missing = [n for n in _LIGHTNING_READS if n not in names or not hasattr(module, n)]
-    if missing or "get_linear_cache" not in names:
-        raise _version_error(cls, f"does not compute lightning attention from {missing or ['get_linear_cache']}")
+    checked_forward(cls, _LIGHTNING_PARAMETERS, (*_LIGHTNING_READS, "get_linear_cache"))
+    missing = [n for n in _LIGHTNING_READS if not hasattr(module, n)]
+    if missing:
+        raise refuse_adapting(cls, f"it has no {missing} to compute lightning attention from")
 
 
 def _install_lightning(module: nn.Module, state: ParallelState) -> None:
@@ -115,7 +102,7 @@ def _install_lightning(module: nn.Module, state: ParallelState) -> None:
     signature = inspect.signature(type(module).forward)
     apply_mask = inspect.unwrap(type(module).forward).__globals__.get("apply_mask_to_padding_states")
     if not callable(apply_mask):
-        raise _version_error(type(module), "does not call apply_mask_to_padding_states")
+        raise refuse_adapting(type(module), "its forward does not call apply_mask_to_padding_states")
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         call = signature.bind(self, *args, **kwargs).arguments

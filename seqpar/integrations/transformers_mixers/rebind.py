@@ -29,12 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
 
-__all__ = ["original_kernels", "rebind_forward", "set_forward"]
+__all__ = ["checked_forward", "original_kernels", "rebind_forward", "refuse_adapting", "set_forward"]
 
 _REBOUND = "_seqpar_rebound"  # attribute of a forward built here
 
 
-def _refuse(cls: type, what: str) -> NotImplementedError:
+def refuse_adapting(cls: type, what: str) -> NotImplementedError:
+    """The error of an adapter that refuses to install on ``cls`` (its code is not what was read)."""
     import transformers
 
     return NotImplementedError(
@@ -47,10 +48,27 @@ def _refuse(cls: type, what: str) -> NotImplementedError:
 def _innermost(cls: type) -> types.FunctionType:
     forward = inspect.getattr_static(cls, "forward", None)
     if not isinstance(forward, types.FunctionType):
-        raise _refuse(cls, f"its forward is a {type(forward).__name__}, not a Python function")
+        raise refuse_adapting(cls, f"its forward is a {type(forward).__name__}, not a Python function")
     inner = inspect.unwrap(forward)
     if not isinstance(inner, types.FunctionType):
-        raise _refuse(cls, "its forward wraps something that is not a Python function")
+        raise refuse_adapting(cls, "its forward wraps something that is not a Python function")
+    return inner
+
+
+def checked_forward(cls: type, parameters: Sequence[str], reads: Sequence[str] = ()) -> types.FunctionType:
+    """The innermost Python function of ``cls.forward``, after checking that its parameters start
+    with ``parameters`` (``self`` first) and that its code reads every name in ``reads``.
+
+    Raises:
+        NotImplementedError: a forward of another shape, naming what differs.
+    """
+    inner = _innermost(cls)
+    got = list(inspect.signature(inner).parameters)
+    if got[: len(parameters)] != list(parameters):
+        raise refuse_adapting(cls, f"its forward takes {got}, not {list(parameters)} first")
+    missing = [name for name in reads if name not in inner.__code__.co_names]
+    if missing:
+        raise refuse_adapting(cls, f"its forward does not read {missing}")
     return inner
 
 
@@ -66,16 +84,13 @@ def original_kernels(module: nn.Module, names: Sequence[str], parameters: Sequen
     cls = type(module)
     own = vars(module).get("forward")
     if own is not None and not getattr(getattr(own, "__func__", own), _REBOUND, False):
-        raise _refuse(cls, "this instance's forward was replaced (by a kernel hub or another library)")
-    inner = _innermost(cls)
-    got = list(inspect.signature(inner).parameters)
-    if got[: len(parameters)] != list(parameters):
-        raise _refuse(cls, f"its forward takes {got}, not {list(parameters)} first")
+        raise refuse_adapting(cls, "this instance's forward was replaced (by a kernel hub or another library)")
+    inner = checked_forward(cls, parameters)
     out = {}
     for name in names:
         value = inner.__globals__.get(name)
         if name not in inner.__code__.co_names or not callable(value):
-            raise _refuse(cls, f"its forward does not call a module-level function {name}")
+            raise refuse_adapting(cls, f"its forward does not call a module-level function {name}")
         out[name] = value
     return out
 
@@ -90,7 +105,7 @@ def _rebuild(fn: types.FunctionType, kernels: Mapping[str, Callable], cls: type)
         cells = list(fn.__closure__ or ())
         holds = [i for i, c in enumerate(cells) if _contents(c) is inner]
         if not holds:
-            raise _refuse(cls, f"its forward is wrapped by {fn.__qualname__}, which does not hold it in its closure")
+            raise refuse_adapting(cls, f"its forward is wrapped by {fn.__qualname__}, which does not hold it in its closure")
         for i in holds:
             cells[i] = types.CellType(new_inner)
         namespace, closure = fn.__globals__, tuple(cells)

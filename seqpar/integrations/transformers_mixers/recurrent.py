@@ -37,7 +37,7 @@ from ...mixing import HeadShard, head_parallel
 from ...state import ParallelState
 from . import register_adapter
 from .gated_delta import refuse_call
-from .rebind import set_forward
+from .rebind import checked_forward, refuse_adapting, set_forward
 
 __all__: list[str] = []
 
@@ -45,37 +45,22 @@ _BLOCK = "transformers.models.recurrent_gemma.modeling_recurrent_gemma.Recurrent
 _PARAMETERS = ("self", "input_states", "position_ids", "attention_mask", "use_cache")
 
 
-def _refuse(cls: type, what: str) -> NotImplementedError:
-    import transformers
-
-    return NotImplementedError(
-        f"seqpar: cannot adapt {cls.__name__} to sequence shards: {what}. Its adapter was written against "
-        f"transformers 5.23 (installed: {transformers.__version__}); run the model with cp_size 1, or "
-        "report the version"
-    )
-
-
 def _check(module: nn.Module) -> None:
     cls = type(module)
-    inner = inspect.unwrap(inspect.getattr_static(cls, "forward"))
-    got = list(inspect.signature(inner).parameters)
-    if got[: len(_PARAMETERS)] != list(_PARAMETERS):
-        raise _refuse(cls, f"its forward takes {got}, not {list(_PARAMETERS)} first")
-    if not {"conv_1d", "rg_lru"} <= set(inner.__code__.co_names):
-        raise _refuse(cls, "its forward does not call conv_1d and rg_lru")
+    checked_forward(cls, _PARAMETERS, ("conv_1d", "rg_lru"))
     conv, lru = getattr(module, "conv_1d", None), getattr(module, "rg_lru", None)
     if (
         not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels or conv.out_channels != conv.in_channels
         or conv.stride != (1,) or conv.dilation != (1,) or conv.padding != (conv.kernel_size[0] - 1,)
         or conv.padding_mode != "zeros"
     ):
-        raise _refuse(cls, f"its conv_1d is {conv!r}, not a depthwise causal Conv1d")
+        raise refuse_adapting(cls, f"its conv_1d is {conv!r}, not a depthwise causal Conv1d")
     scan = inspect.getattr_static(type(lru), "_rnn_scan", None) if lru is not None else None
     if not isinstance(scan, types.FunctionType) or "_rnn_scan" in vars(lru):
-        raise _refuse(cls, "its rg_lru has no _rnn_scan method (or it was replaced)")
+        raise refuse_adapting(cls, "its rg_lru has no _rnn_scan method (or it was replaced)")
     want = ["self", "hidden_states", "recurrent_gate", "reset", "recurrent_states"]
     if list(inspect.signature(scan).parameters)[:5] != want:
-        raise _refuse(cls, "its rg_lru._rnn_scan takes other arguments")
+        raise refuse_adapting(cls, "its rg_lru._rnn_scan takes other arguments")
 
 
 class _Recurrence:
@@ -181,7 +166,7 @@ def _install_mlstm(module: nn.Module, state: ParallelState) -> None:
     cls_forward = inspect.getattr_static(cls, "forward")
     got = list(inspect.signature(cls_forward).parameters) if isinstance(cls_forward, types.FunctionType) else []
     if got != list(_MLSTM_PARAMETERS) or not hasattr(module, "config"):
-        raise _refuse(cls, f"its forward takes {got}, not {list(_MLSTM_PARAMETERS)}")
+        raise refuse_adapting(cls, f"its forward takes {got}, not {list(_MLSTM_PARAMETERS)}")
     signature = inspect.signature(cls_forward)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
