@@ -308,40 +308,10 @@ def head_parallel(
         tuple((tuple(x.shape[(1 if packed else 2):]), str(x.dtype)) for x in tensors),
     )
 
-    # Lengths: known from seq_len / seq_lens, else exchanged; checked collectively per state.checks.
-    known = problem is None and bool(lens)
-    if n > 1 and collective_checks(state, device, seq_len is not None or packed):
-        rows = exchange_ints([local, int(problem is not None), _crc(signature)], state.cp_group, device)
-        _raise_refusals(rows, problem, "its inputs", where)
-        bad = [c for c, row in enumerate(rows) if row[2] != rows[0][2]]
-        if bad:
-            raise ValueError(
-                f"{where}: cp rank {bad[0]} passes other tensors or options than cp rank 0 (shapes "
-                "outside the token dim, dtypes, heads, out_heads, seq_len / seq_lens); every rank "
-                "passes its shard of the same tensors"
-            )
-        got = [row[0] for row in rows]
-        if not lens:
-            lens = (sum(got),)
-        want = list(_order(lens, state.ring_size, state.ulysses_size).shard_lengths)
-        if got != want:
-            raise ValueError(
-                f"{where}: the CP ranks hold {got} tokens, but {_placement_words(lens, packed, state)} "
-                f"places {want}; shard with seqpar.shard / seqpar.shard_packed and pass the global "
-                "length"
-            )
-    elif problem is not None:
-        raise ValueError(problem)
-    elif known:
-        want = _order(lens, state.ring_size, state.ulysses_size).shard_lengths
-        if local != want[me]:
-            raise ValueError(
-                f"{where}: cp rank {me} holds {local} tokens, but {_placement_words(lens, packed, state)} "
-                f"places {want[me]} there (all ranks: {list(want)}); shard with seqpar.shard / "
-                "seqpar.shard_packed and pass the global length"
-            )
-    else:  # one rank, dense, no seq_len
-        lens = (local,)
+    lens = agree_on_call(
+        state, local, problem, signature, lens, packed, device, where, lengths_given=seq_len is not None or packed,
+        options="shapes outside the token dim, dtypes, heads, out_heads, seq_len / seq_lens",
+    )
 
     order = _order(lens, state.ring_size, state.ulysses_size)
     cu_seqlens = None
@@ -416,6 +386,54 @@ def _raise_refusals(rows: list[list[int]], problem: str | None, what: str, where
             f"{where}: cp rank {flagged[0]} refused {what} (its own error says why); every rank "
             "raises so that none waits for it"
         )
+
+
+def agree_on_call(
+    state: ParallelState, local: int, problem: str | None, signature: object, lens: tuple[int, ...],
+    packed: bool, device: torch.device, where: str, *, lengths_given: bool, options: str,
+) -> tuple[int, ...]:
+    """The global lengths of a mixing call, after every CP rank agreed on it: one exchange of
+    ``[local tokens, problem?, signature hash]`` where the ranks check collectively
+    (``collective_checks``; ``lengths_given`` must follow from the call's arguments alone, so that
+    every rank decides alike), else this rank's own checks. ``problem`` is this rank's own error,
+    ``options`` names what ``signature`` covers. Shared by :func:`head_parallel` and
+    :func:`~seqpar.mixing.state_passing.state_passing`.
+
+    Raises:
+        ValueError: the same on every rank where checked collectively: a rank's own problem, other
+            options on some rank, local lengths that are not the placement's.
+    """
+    n, me = state.cp_size, state.cp_rank
+    if n > 1 and collective_checks(state, device, lengths_given):
+        rows = exchange_ints([local, int(problem is not None), _crc(signature)], state.cp_group, device)
+        _raise_refusals(rows, problem, "its inputs", where)
+        bad = [c for c, row in enumerate(rows) if row[2] != rows[0][2]]
+        if bad:
+            raise ValueError(
+                f"{where}: cp rank {bad[0]} passes other tensors or options than cp rank 0 ({options}); "
+                "every rank passes its shard of the same call"
+            )
+        got = [row[0] for row in rows]
+        lens = lens or (sum(got),)
+        want = list(_order(lens, state.ring_size, state.ulysses_size).shard_lengths)
+        if got != want:
+            raise ValueError(
+                f"{where}: the CP ranks hold {got} tokens, but {_placement_words(lens, packed, state)} "
+                f"places {want}; shard with seqpar.shard / seqpar.shard_packed and pass the global length"
+            )
+        return lens
+    if problem is not None:
+        raise ValueError(problem)
+    if not lens:  # one rank, dense, no seq_len (collective_checks holds without lengths on more)
+        return (local,)
+    want = _order(lens, state.ring_size, state.ulysses_size).shard_lengths
+    if local != want[me]:
+        raise ValueError(
+            f"{where}: cp rank {me} holds {local} tokens, but {_placement_words(lens, packed, state)} "
+            f"places {want[me]} there (all ranks: {list(want)}); shard with seqpar.shard / "
+            "seqpar.shard_packed and pass the global length"
+        )
+    return lens
 
 
 def _check_outputs(

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,13 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..comm import all_gather, exchange_ints
+from ..comm import all_gather
 from ..placement import Placement
 from ..placement.sizes import as_int, check_seq_lens
-from ..prepare import collective_checks
 from ..state import ParallelState, require_state
 from .conv import causal_conv1d_local
-from .headwise import HeadShard, head_parallel
+from .headwise import HeadShard, agree_on_call, head_parallel
 
 __all__ = [
     "Recurrence",
@@ -609,10 +607,6 @@ def _tie(anchor: Tensor, x: Tensor) -> Tensor:
 _OK, _FAILED = 0, 1
 
 
-def _crc(values: object) -> int:
-    return zlib.crc32(repr(values).encode())
-
-
 def _validate(recurrence: Recurrence, inputs: Sequence[Tensor], packed: bool, where: str) -> list[Tensor]:
     """Inputs as ``[B, S_local, ...]`` (packed: a batch of one); ``ValueError`` naming the sizes."""
     if not isinstance(recurrence, Recurrence):
@@ -634,59 +628,6 @@ def _validate(recurrence: Recurrence, inputs: Sequence[Tensor], packed: bool, wh
         )
     recurrence.check(xs)
     return xs
-
-
-def _exchange_checks(
-    state: ParallelState, local: int, problem: str | None, signature: object, lens: tuple[int, ...],
-    packed: bool, device: torch.device, where: str, lengths_known: bool,
-) -> tuple[int, ...]:
-    """Global lengths, after every rank agreed on the call (one exchange of ints where checked).
-    Every rank raises the same ``ValueError``."""
-    n, me = state.cp_size, state.cp_rank
-    if n > 1 and collective_checks(state, device, lengths_known):
-        rows = exchange_ints([local, int(problem is not None), _crc(signature)], state.cp_group, device)
-        flagged = [c for c, row in enumerate(rows) if row[1]]
-        if problem is not None:
-            raise ValueError(problem)
-        if flagged:
-            raise ValueError(
-                f"{where}: cp rank {flagged[0]} refused its inputs (its own error says why); every rank raises "
-                "so that none waits for it"
-            )
-        bad = [c for c, row in enumerate(rows) if row[2] != rows[0][2]]
-        if bad:
-            raise ValueError(
-                f"{where}: cp rank {bad[0]} passes other inputs or options than cp rank 0 (shapes outside the "
-                "token dim, dtypes, requires_grad, initial_state, seq_len / seq_lens); every rank passes its "
-                "shard of the same call"
-            )
-        got = [row[0] for row in rows]
-        lens = lens or (sum(got),)
-        want = list(Placement(lens, state.ring_size, state.ulysses_size).shard_lengths)
-        if got != want:
-            raise ValueError(
-                f"{where}: the CP ranks hold {got} tokens, but {_words(lens, packed, state)} places {want}; "
-                "shard with seqpar.shard / seqpar.shard_packed and pass the global length"
-            )
-        return lens
-    if problem is not None:
-        raise ValueError(problem)
-    if not lens:
-        if n > 1:  # unreachable: collective_checks is true without lengths
-            raise ValueError(f"{where}: pass seq_len")
-        return (local,)
-    want = Placement(lens, state.ring_size, state.ulysses_size).shard_lengths
-    if local != want[me]:
-        raise ValueError(
-            f"{where}: cp rank {me} holds {local} tokens, but {_words(lens, packed, state)} places {want[me]} "
-            f"there (all ranks: {list(want)}); shard with seqpar.shard / seqpar.shard_packed and pass the global length"
-        )
-    return lens
-
-
-def _words(lens: tuple[int, ...], packed: bool, state: ParallelState) -> str:
-    what = f"seq_lens (total {sum(lens)})" if packed else f"seq_len={lens[0]}"
-    return f"{what} over ring {state.ring_size} x ulysses {state.ulysses_size}"
 
 
 def _lengths(seq_len: int | None, seq_lens: Sequence[int] | Tensor | None, where: str) -> tuple[int, ...]:
@@ -760,7 +701,10 @@ def state_passing(
         type(recurrence).__name__, packed, xs[0].shape[0], [(tuple(x.shape[2:]), str(x.dtype)) for x in xs],
         lens if lens else None, grad, None if initial_state is None else str(initial_state.dtype),
     )
-    lens = _exchange_checks(state, local, problem, signature, lens, packed, device, where, bool(lens))
+    lens = agree_on_call(
+        state, local, problem, signature, lens, packed, device, where,
+        lengths_given=seq_len is not None or packed, options="shapes outside the token dim, dtypes, requires_grad, initial_state, seq_len / seq_lens",
+    )
 
     n, me = state.cp_size, state.cp_rank
     pieces = _pieces(lens, state.ring_size, state.ulysses_size)
@@ -911,7 +855,10 @@ def causal_conv1d_halo(
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
     local = xb.shape[1] if problem is None else 0
     signature = None if problem else (packed, xb.shape[0], xb.shape[2], str(x.dtype), tuple(weight.shape), lens or None)
-    lens = _exchange_checks(state, local, problem, signature, lens, packed, device, where, bool(lens))
+    lens = agree_on_call(
+        state, local, problem, signature, lens, packed, device, where,
+        lengths_given=seq_len is not None or packed, options="shapes outside the token dim, dtypes, weight, seq_len / seq_lens",
+    )
     w = weight.reshape(weight.shape[0], weight.shape[-1])
     K, n, me = w.shape[-1], state.cp_size, state.cp_rank
     pieces = _pieces(lens, state.ring_size, state.ulysses_size)
