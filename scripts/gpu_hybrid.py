@@ -30,8 +30,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 VOCAB = 97
 DEVICE = "cuda"
 
