@@ -1,11 +1,10 @@
 """The package's layout: the library is ``seqpar``, the tools around it ``seqpar.tools``.
 
-``import seqpar`` (and every library module) loads no ``seqpar.tools`` module, none of the aliases
-kept at the tools' old paths, and no ``torch.testing`` or ``torch.utils._python_dispatch`` module
-that ``import torch`` did not load already; each is checked in a fresh interpreter. The old paths
-(``seqpar.testing``, ``seqpar.one_rank``, ``seqpar.models``, ``seqpar.profiling``) still import
-and name the same objects; the scripts import their helpers from ``seqpar.tools`` and edit no
-``sys.path``.
+``import seqpar`` (and every library module) loads no ``seqpar.tools`` module and no
+``torch.testing`` or ``torch.utils._python_dispatch`` module that ``import torch`` did not load
+already; each is checked in a fresh interpreter. The tools' old paths (``seqpar.testing``,
+``seqpar.one_rank``, ``seqpar.models``, ``seqpar.profiling``) are gone, not kept as re-exporting
+aliases; the scripts import their helpers from ``seqpar.tools`` and edit no ``sys.path``.
 """
 
 from __future__ import annotations
@@ -21,16 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Old path -> new path of every alias module.
-ALIASES = {
-    "seqpar.testing": "seqpar.tools.testing",
-    "seqpar.one_rank": "seqpar.tools.one_rank",
-    "seqpar.profiling": "seqpar.tools.profiling",
-    "seqpar.models": "seqpar.tools.models",
-    "seqpar.models.dit": "seqpar.tools.models.dit",
-    "seqpar.models.llama": "seqpar.tools.models.llama",
-    "seqpar.models.hf_configs": "seqpar.tools.models.hf_configs",
-}
+# The tools' old paths, removed: import from seqpar.tools.
+OLD_PATHS = ("seqpar.testing", "seqpar.one_rank", "seqpar.profiling", "seqpar.models")
 
 # The library's entry points: none may pull in a tool.
 LIBRARY = [
@@ -63,10 +54,9 @@ def _python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def _forbidden(module: str) -> bool:
-    """A module no library import may load: a tool, an alias of one, torch's testing or dispatch code."""
+    """A module no library import may load: a tool, torch's testing or dispatch code."""
     return (
         module == "seqpar.tools" or module.startswith("seqpar.tools.")
-        or any(module == old or module.startswith(old + ".") for old in ALIASES)
         or module == "torch.testing" or module.startswith("torch.testing.")
         or module == "torch.utils._python_dispatch"
     )
@@ -81,19 +71,10 @@ def test_library_imports_no_tools(module):
     assert not [m for m in new if _forbidden(m)], f"import {module} loaded {[m for m in new if _forbidden(m)]}"
 
 
-@pytest.mark.parametrize("old", ALIASES)
-def test_old_paths_name_the_moved_objects(old):
-    alias, moved = importlib.import_module(old), importlib.import_module(ALIASES[old])
-    assert alias.__doc__.startswith(f"Moved to {ALIASES[old]}; this alias is kept for existing imports."), old
-    assert alias.__all__ == moved.__all__, old
-    for name in moved.__all__:
-        assert getattr(alias, name) is getattr(moved, name), (old, name)
-
-
-def test_old_one_rank_command_line_still_runs():
-    proc = _python("-m", "seqpar.one_rank", "--help")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m seqpar.tools.one_rank"), proc.stdout
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_old_tool_paths_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
 def test_planner_calibrate_imports_the_tool_when_called():

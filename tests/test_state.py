@@ -126,7 +126,7 @@ def _recreate_over_subgroups(rounds):
 
 def test_states_recreated_over_subgroups_after_close():
     # Its own pool and a short timeout: a reused group name made a rank wait for a dead peer.
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     with DistPool(4, timeout_s=60) as pool:
         per_rank = pool.run(_recreate_over_subgroups, 4)

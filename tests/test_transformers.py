@@ -1,6 +1,6 @@
 """transformers integration: models with attn_implementation="seqpar" on sequence shards.
 
-Llama and BERT (plain causal / bidirectional), then the families of ``seqpar.models.hf_configs``
+Llama and BERT (plain causal / bidirectional), then the families of ``seqpar.tools.models.hf_configs``
 (sliding windows, chunks, softcapping, sinks), each against the single-device model; then masks
 seqpar must refuse rather than compute.
 """
@@ -133,7 +133,7 @@ def test_bidirectional_encoders_match(pools, ring, ulysses):
             assert err < 2e-5, (family, err)
 
 
-# --- families with windows, chunks, softcapping and sinks (seqpar.models.hf_configs) ---------------
+# --- families with windows, chunks, softcapping and sinks (seqpar.tools.models.hf_configs) ---------------
 
 # Single-device reference implementation: eager where transformers' sdpa refuses (softcap, sinks).
 _REFERENCE = {"gemma2": "eager", "gpt_oss": "eager"}
@@ -436,7 +436,7 @@ def _expect_round3(case: str, got: tuple[str, object], cp_size: int) -> None:
 
 @pytest.mark.parametrize("ring,ulysses", [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])
 def test_round3_findings_raise_the_same_error_on_every_rank_or_are_exact(ring, ulysses):
-    from seqpar.testing import DistPool
+    from seqpar.tools.testing import DistPool
 
     # a short timeout: a rank left waiting fails the test instead of stalling it
     with DistPool(4, timeout_s=60) as pool:
