@@ -115,3 +115,13 @@ def test_cheap_commands_run_as_written(tmp_path):
             argv[0] = sys.executable
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{cmd!r} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def test_multi_rank_commands_use_this_python_launcher():
+    """Every launch in the docs is ``python -m torch.distributed.run``, never a bare ``torchrun``
+    (which can resolve to another interpreter's seqpar; getting-started.md says why), in shell
+    blocks and in code spans alike; the prose that explains the reason names ``torchrun`` alone."""
+    bare = [(where, cmd) for where, cmd in _commands() if shlex.split(cmd)[0] == "torchrun"]
+    assert not bare, bare
+    spans = [(path.name, span) for path in PAGES for span in re.findall(r"`(torchrun [^`]*)`", path.read_text())]
+    assert not spans, spans
