@@ -28,6 +28,11 @@ a perfect ``1/N`` share. The ranks share the machine's cores; memory does not de
     python scripts/bench_memory.py --keep-head-shards    # ParallelState(keep_head_shards=True)
     python scripts/bench_memory.py --ring-comm p2p_serial  # the ring without overlap
     python scripts/bench_memory.py --seq-len 1024 --plot memory.png
+    python scripts/bench_memory.py --head-groups 1,2,4,8 --layers 0  # Note [Head groups]: calls per group
+
+With ``--head-groups`` every configuration runs once per group count (``head_groups=G`` on every
+call) and the table adds the median time of ``--time-iters`` later calls (the busiest rank's
+CPU wall time: a relative cost on shared cores, not a speed).
 
 Output: the table and notes, then the whole report as one JSON line (last line); ``--json PATH``
 also writes it to a file.
@@ -36,6 +41,8 @@ also writes it to a file.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from typing import get_args
 
 import torch
@@ -152,7 +159,7 @@ def ideal(args: argparse.Namespace, packed: bool, stack: bool, device: torch.dev
     return _peak(run, device)
 
 
-def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool) -> dict:
+def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool, head_groups: int = 1) -> dict:
     """On every rank: the peaks of a first and a later call on a fresh state, and what it keeps."""
     import torch.distributed as dist
 
@@ -167,8 +174,10 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool)
     def workload(state):
         def attend(q, k, v):
             if packed:
-                return seqpar.varlen_attention(q, k, v, state, lens, causal=args.causal, backend=args.backend)
-            return seqpar.attention(q, k, v, state, causal=args.causal, seq_len=args.seq_len, backend=args.backend)
+                return seqpar.varlen_attention(q, k, v, state, lens, causal=args.causal, backend=args.backend,
+                                               head_groups=head_groups)
+            return seqpar.attention(q, k, v, state, causal=args.causal, seq_len=args.seq_len, backend=args.backend,
+                                    head_groups=head_groups)
 
         if stack:
             weights, x_full, dx_full = _stack_tensors(args, device)
@@ -204,6 +213,12 @@ def measure(args: argparse.Namespace, R: int, U: int, packed: bool, stack: bool)
     kept = state.workspace.nbytes
     later = _peak(run, device)
     result = {"first": first, "later": later, "kept": kept, "total": max(first, later + kept)}
+    times = []
+    for _ in range(args.time_iters):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    result["seconds"] = statistics.median(times) if times else 0.0
     state.close()
     return result
 
@@ -227,9 +242,18 @@ def main() -> None:
                         help="ParallelState(keep_head_shards=True): Ulysses keeps its head shards for the backward")
     parser.add_argument("--ring-comm", default="p2p", choices=get_args(RingComm),
                         help="ParallelState(ring_comm=...): the ring's K/V transport")
+    parser.add_argument("--head-groups", default="1",
+                        help="head_groups of every call, a list such as 1,2,4,8 (Note [Head groups]); a count above "
+                        "--heads is skipped")
+    parser.add_argument("--time-iters", type=int, default=0,
+                        help="later calls timed per measurement (median; default 0, or 3 with --head-groups lists)")
     add_output_arguments(parser, "total x (everything counted) per configuration, single call and stack")
     args = parser.parse_args()
     n = args.world
+    group_counts = [int(g) for g in args.head_groups.split(",")]
+    if len(group_counts) > 1 and args.time_iters == 0:
+        args.time_iters = 3
+    group_counts = [g for g in group_counts if g <= args.heads]
     half = next(d for d in range(int(n**0.5), 0, -1) if n % d == 0)
     configs = parse_configs(args.configs) if args.configs else list(dict.fromkeys([(n, 1), (1, n), (n // half, half)]))
     for R, U in configs:
@@ -244,29 +268,33 @@ def main() -> None:
         for R, U in configs:
             for packed in (False, True):
                 for work in workloads:
-                    layout = "packed" if packed else "dense"
-                    progress("bench_memory", f"ring {R} x ulysses {U}, {layout}, {work}")
-                    per_rank = ranks.run(measure, args, R, U, packed, work == "stack")
-                    base = ideals[(packed, work)]
-                    entry = {"config": f"{R}x{U}", "layout": layout, "workload": work, "ideal_bytes": base}
-                    for key in ("first", "later", "kept", "total"):
-                        entry[f"{key}_bytes_max_rank"] = max(r[key] for r in per_rank)
-                    entry["total_x_ideal"] = entry["total_bytes_max_rank"] * n / base
-                    entry["later_x_ideal"] = entry["later_bytes_max_rank"] * n / base
-                    results.append(entry)
-                    rows.append([
-                        entry["config"], layout, work, f"{base / 2**20:.1f}",
-                        *(f"{entry[f'{key}_bytes_max_rank'] / 2**20:.1f}" for key in ("first", "later", "kept")),
-                        f"{entry['later_x_ideal']:.2f}", f"{entry['total_x_ideal']:.2f}",
-                    ])
+                    for G in group_counts:
+                        layout = "packed" if packed else "dense"
+                        progress("bench_memory", f"ring {R} x ulysses {U}, {layout}, {work}, head_groups {G}")
+                        per_rank = ranks.run(measure, args, R, U, packed, work == "stack", G)
+                        base = ideals[(packed, work)]
+                        entry = {"config": f"{R}x{U}", "layout": layout, "workload": work, "head_groups": G,
+                                 "ideal_bytes": base}
+                        for key in ("first", "later", "kept", "total"):
+                            entry[f"{key}_bytes_max_rank"] = max(r[key] for r in per_rank)
+                        entry["total_x_ideal"] = entry["total_bytes_max_rank"] * n / base
+                        entry["later_x_ideal"] = entry["later_bytes_max_rank"] * n / base
+                        entry["seconds_max_rank"] = max(r["seconds"] for r in per_rank)
+                        results.append(entry)
+                        rows.append([
+                            entry["config"], layout, work, str(G), f"{base / 2**20:.1f}",
+                            *(f"{entry[f'{key}_bytes_max_rank'] / 2**20:.1f}" for key in ("first", "later", "kept")),
+                            f"{entry['later_x_ideal']:.2f}", f"{entry['total_x_ideal']:.2f}",
+                            f"{entry['seconds_max_rank'] * 1e3:.0f}" if args.time_iters else "--",
+                        ])
     what = (f"S={args.seq_len} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype} "
             f"{'causal' if args.causal else 'non-causal'}, packed = 3 sequences, stack = {args.layers} layers, "
             f"workspace {'kept (arena)' if args.keep else 'per call'}"
             f"{', Ulysses head shards kept' if args.keep_head_shards else ''}, ring_comm {args.ring_comm}")
     text = (
         f"attention memory per rank x {n} / one device (ideal 1.0), everything counted; {what}\n"
-        + table(["config", "layout", "workload", "ideal MiB", "first MiB", "later MiB", "kept MiB", "later x",
-                 "total x"], rows)
+        + table(["config", "layout", "workload", "groups", "ideal MiB", "first MiB", "later MiB", "kept MiB", "later x",
+                 "total x", "ms"], rows)
     )
     notes = [
         "total x = max(first call on a fresh state, later call + bytes kept before it) x N / ideal: everything "
@@ -277,7 +305,7 @@ def main() -> None:
     plot = chart(
         args.plot,
         f"attention memory per rank x {n} / one device (1.0 = a perfect 1/{n} share), everything counted; {what}",
-        [f"{e['config']} {e['layout']} {e['workload']}" for e in results],
+        [f"{e['config']} {e['layout']} {e['workload']} G{e['head_groups']}" for e in results],
         {"total (kept buffers included)": [e["total_x_ideal"] for e in results],
          "later call alone": [e["later_x_ideal"] for e in results]},
         f"peak per rank x {n} / one device (lower is better; dashed line: the ideal 1.0)",

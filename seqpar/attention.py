@@ -21,6 +21,7 @@ the ring is one local step; with ``U == 1`` there is no all-to-all.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from collections.abc import Sequence
 
@@ -29,8 +30,10 @@ from torch import Tensor, nn
 
 from .backends import AttentionBackend
 from .placement.masks import MaskSlices
-from .comm import refuse_double_backward
+from .comm import refuse_double_backward, split_sizes
+from .parallel.allgather import AllGatherSetup
 from .parallel.hybrid import (
+    HybridSetup,
     dout_first,
     dout_first_shapes,
     dout_to_heads,
@@ -45,10 +48,12 @@ from .parallel.hybrid import (
     splits_at_heads,
     to_head_shards,
 )
+from .parallel.ulysses import UlyssesSetup
 from .prepare import (
     Layout,
     PreparedCall,
     check_dense_options,
+    check_head_groups,
     collective_checks,
     prepare_dense,
     prepare_varlen,
@@ -199,6 +204,192 @@ def _apply(call: PreparedCall, sinks: Tensor | None) -> Tensor:
     return _DoutToHeads.apply(out, *handles, call)  # Note [Dout exchanged first]
 
 
+# Note [Head groups]
+# ~~~~~~~~~~~~~~~~~~
+# ``head_groups=G`` runs a call as G calls over contiguous groups of query heads, one after the
+# other (UPipe's "untied Ulysses"): each group is exchanged to head shards, computed by the ring
+# and exchanged back before the next group starts, so the all-to-all buffers and the kernels'
+# working set are a group's, not all heads'. The query heads split by ``split_sizes(H, G)``
+# (6 heads in 4 groups: 2, 2, 1, 1); a group carries the K/V heads its query heads read (a K/V
+# head read by two groups goes to both and their gradients add) and its slice of the sinks and
+# ALiBi slopes. Attention is independent per head, so the result is the one-call result.
+#
+# An eager call is one autograd node (:class:`_HeadGroups`): the forward writes each group's
+# output into one output tensor, so what outlives a group is only what the caller gets anyway
+# (the output) and what each group's backward needs (its LSEs; its head shards with
+# ``keep_head_shards``). The backward keeps each group's token-shard gradients (a 1/G share each)
+# and joins them after the last group, freeing each group's as it goes: the call's dq, dk, dv
+# allocated up front would sit next to every group's working set (measured: 1 x 4, 8 heads, 2
+# groups, 2.0 instead of 1.6 x the ideal). Pieces per group joined by ``torch.cat`` in the
+# forward would hold every group's output next to the joined one, and slices of q, k, v as graph
+# inputs would give each group's gradient a full-size zero-padded tensor. A group's K/V heads
+# that its query heads read unevenly (6 heads, 2 K/V heads, groups of 4 and 2: the first group
+# reads K/V head 0 three times and head 1 once) are expanded to one K/V head per query head for
+# that group. Under ``torch.compile`` the groups are G operators
+# joined by a cat (exact; the one-node memory is the eager call's). Groups smaller than the
+# Ulysses size leave ranks without a head in that group: choose ``G <= H / ulysses_size`` for
+# balanced work.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Group:
+    """One head group of a call: query heads ``q_start:q_stop``; its K/V heads either the
+    contiguous range ``kv_start:kv_stop`` (each read by the same number of the group's query
+    heads) or, with ``kv_index``, one K/V head per query head; the group's own setup."""
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+    kv_index: Tensor | None
+    setup: HybridSetup
+
+    def kv(self, x: Tensor) -> Tensor:
+        """The group's K/V heads of a bshd ``k`` or ``v`` (a view, or a copy when expanded)."""
+        if self.kv_index is None:
+            return x[:, :, self.kv_start:self.kv_stop]
+        return x.index_select(2, self.kv_index)
+
+    def add_kv_grad(self, dx: Tensor, dx_g: Tensor) -> None:
+        """Add the group's K/V gradient into the call's ``dx`` (K/V heads shared by groups add)."""
+        if self.kv_index is None:
+            dx[:, :, self.kv_start:self.kv_stop] += dx_g
+        else:
+            dx.index_add_(2, self.kv_index, dx_g)
+
+
+def _group_setup(setup: HybridSetup, q_start: int, q_stop: int, num_kv_heads: int) -> HybridSetup:
+    """``setup`` for the query heads ``q_start:q_stop`` reading ``num_kv_heads`` K/V heads: the
+    Ulysses head assignment of the group's heads and its ALiBi slopes; the rest is shared."""
+    ring = setup.ring.ring if isinstance(setup.ring, AllGatherSetup) else setup.ring
+    if ring.alibi is not None:
+        ring = dataclasses.replace(ring, alibi=ring.alibi[q_start:q_stop])
+    if isinstance(setup.ring, AllGatherSetup):
+        ring = dataclasses.replace(setup.ring, ring=ring)
+    u = setup.ulysses
+    if u is not None:
+        u = UlyssesSetup.build(u.group, u.token_sizes, q_stop - q_start, num_kv_heads, u.workspace, u.keep_head_shards)
+    return dataclasses.replace(setup, ring=ring, ulysses=u)
+
+
+def _head_groups(call: PreparedCall, head_groups: int, where: str) -> list[_Group]:
+    """The groups of Note [Head groups] for a prepared call (the ranks agree on its shapes).
+
+    Raises:
+        ValueError: more groups than query heads.
+    """
+    H, Hkv = call.qb.shape[2], call.kb.shape[2]
+    _check_group_count(H, head_groups, where)
+    rep = H // Hkv
+    groups, start = [], 0
+    for size in split_sizes(H, head_groups):
+        stop = start + size
+        kv = [h // rep for h in range(start, stop)]
+        kv_start, kv_stop = kv[0], kv[-1] + 1
+        # GQA within the group: every K/V head read by the same number of its query heads
+        even = len({kv.count(j) for j in range(kv_start, kv_stop)}) == 1
+        index = None if even else torch.tensor(kv, device=call.kb.device)
+        n_kv = kv_stop - kv_start if even else size
+        groups.append(_Group(start, stop, kv_start, kv_stop, index, _group_setup(call.setup, start, stop, n_kv)))
+        start = stop
+    return groups
+
+
+class _HeadGroups(torch.autograd.Function):
+    """The eager autograd function of a call with head groups (Note [Head groups]): each group's
+    :func:`hybrid_forward` then, in the backward, each group's :func:`hybrid_backward`, in group
+    order. Saves q, k, v, sinks, the output and every group's LSEs (and head shards with
+    ``keep_head_shards``)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, groups: list[_Group]) -> Tensor:
+        B, S, H, _ = q.shape
+        out = q.new_empty((B, S, H, v.shape[-1]))
+        lses, heads, counts = [], [], []
+        for g in groups:
+            sinks_g = None if sinks is None else sinks[g.q_start:g.q_stop]
+            out_g, lse_body, lse_replicated, heads_g = hybrid_forward(
+                g.setup, q[:, :, g.q_start:g.q_stop], g.kv(k), g.kv(v), sinks_g
+            )
+            out[:, :, g.q_start:g.q_stop] = out_g
+            del out_g  # dead once copied: the next group's buffers may take its place
+            lses += [lse_body, lse_replicated]
+            heads += heads_g
+            counts.append(len(heads_g))
+        ctx.save_for_backward(q, k, v, out, sinks, *lses, *heads)
+        ctx.groups, ctx.head_counts = groups, counts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        refuse_double_backward("seqpar attention")
+        q, k, v, out, sinks, *rest = ctx.saved_tensors
+        groups = ctx.groups
+        lses, heads = rest[:2 * len(groups)], rest[2 * len(groups):]
+        # Each group's gradients stay tensors of their own until the last group is done: the
+        # call's dq, dk, dv allocated up front would sit next to every group's working set.
+        dqs, dks, dvs, dss = [], [], [], []
+        at = 0
+        for i, g in enumerate(groups):
+            rows = slice(g.q_start, g.q_stop)
+            n = ctx.head_counts[i]
+            dq_g, dk_g, dv_g, ds_g = hybrid_backward(
+                g.setup, dout[:, :, rows], q[:, :, rows], g.kv(k), g.kv(v),
+                None if sinks is None else sinks[rows], out[:, :, rows], lses[2 * i], lses[2 * i + 1],
+                tuple(heads[at:at + n]),
+            )
+            at += n
+            dqs.append(dq_g), dks.append(dk_g), dvs.append(dv_g), dss.append(ds_g)
+            del dq_g, dk_g, dv_g, ds_g
+        dq = torch.cat(dqs, 2)  # every query head belongs to one group
+        dsinks = None if sinks is None else torch.cat(dss)
+        del dqs, dss
+        grads_kv = []
+        for x, parts in ((k, dks), (v, dvs)):
+            dx = torch.zeros_like(x)  # a K/V head may be read by two groups
+            for g in groups:
+                g.add_kv_grad(dx, parts.pop(0))  # each group's goes once added
+            grads_kv.append(dx)
+        dk, dv = grads_kv
+        grads = (dq, dk, dv, dsinks)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)  # none for groups
+
+
+def _apply_groups(call: PreparedCall, sinks: Tensor | None, head_groups: int, where: str) -> Tensor:
+    """:func:`_apply` with ``head_groups`` (Note [Head groups]); one group is :func:`_apply` itself."""
+    groups = _head_groups(call, head_groups, where)
+    if len(groups) == 1:
+        return _apply(call, sinks)
+    return _HeadGroups.apply(call.qb, call.kb, call.vb, sinks, groups)
+
+
+def _compiled_groups(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, alibi_slopes: Tensor | None,
+                     head_groups: int, run, where: str) -> Tensor:
+    """Under ``torch.compile``: ``run(q_g, k_g, v_g, sinks_g, slopes_g)`` on bshd head groups (one
+    operator each; K/V heads picked per query head), joined along the heads (Note [Head groups])."""
+    H, Hkv = q.shape[2], k.shape[2]
+    _check_group_count(H, head_groups, where)
+    rep, outs, start = H // max(Hkv, 1), [], 0
+    for size in split_sizes(H, head_groups):
+        stop = start + size
+        kv = torch.tensor([h // rep for h in range(start, stop)], device=k.device)
+        outs.append(run(
+            q[:, :, start:stop], k.index_select(2, kv), v.index_select(2, kv),
+            None if sinks is None else sinks[start:stop], None if alibi_slopes is None else alibi_slopes[start:stop],
+        ))
+        start = stop
+    return torch.cat(outs, 2)
+
+
+def _check_group_count(H: int, head_groups: int, where: str) -> None:
+    """Raise unless ``head_groups`` groups of the ``H`` query heads each get at least one."""
+    if head_groups > H:
+        raise ValueError(
+            f"{where}: head_groups={head_groups} is more than the {H} query heads (each group runs at "
+            f"least one head); use head_groups <= {H}"
+        )
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -218,6 +409,7 @@ def attention(
     replicated_suffix: int = 0,
     mask: MaskSlices | None = None,
     alibi_slopes: Tensor | None = None,
+    head_groups: int = 1,
 ) -> Tensor:
     """Exact attention over the whole sequence, computed from and returned as local shards.
 
@@ -257,6 +449,10 @@ def attention(
         alibi_slopes: ``(nheads,)`` slopes: ``-slope * |i - j|`` (global positions) is added to
             the scaled, softcapped scores (flash-attn's semantics), with every mask. Constants: no
             gradient flows to them.
+        head_groups: ``G >= 1``: run the call over ``G`` contiguous groups of query heads one
+            after the other (``split_sizes(nheads, G)`` heads each), so that the all-to-all
+            buffers and the kernels' working set are one group's (Note [Head groups]); the
+            result is the same. ``1`` (default): all heads at once. The same on every rank.
 
     Returns:
         This rank's output shard in ``layout``, with q's shape and dtype except for the last dim,
@@ -273,8 +469,23 @@ def attention(
             or chunked mask, more replicated tokens than local ones); a local length that is not
             this rank's share of ``seq_len``; CP ranks that disagree on shapes or options, or hold
             lengths that are not the placement of a position-dependent mask (raised on every rank
-            whenever the call checks collectively, Note [Global length]).
+            whenever the call checks collectively, Note [Global length]); ``head_groups`` not an
+            int >= 1 or more than ``nheads``.
     """
+    if torch.compiler.is_compiling() and head_groups != 1:
+        qb, kb, vb = (to_bshd(t, layout) for t in (q, k, v))
+
+        def run(q_g, k_g, v_g, sinks_g, slopes_g):
+            return attention(
+                q_g, k_g, v_g, state, causal=causal, softmax_scale=softmax_scale, layout="bshd", backend=backend,
+                seq_len=seq_len, window=window, softcap=softcap, sinks=sinks_g, chunk_size=chunk_size,
+                replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
+                alibi_slopes=slopes_g,
+            )
+
+        where = "seqpar.attention"
+        check_head_groups(head_groups, where)
+        return to_bshd(_compiled_groups(qb, kb, vb, sinks, alibi_slopes, head_groups, run, where), layout)
     if torch.compiler.is_compiling():  # one opaque custom op (Note [torch.compile] in seqpar.compiled)
         from .compiled import compiled_attention
 
@@ -287,9 +498,10 @@ def attention(
     options = check_dense_options(
         causal=causal, softmax_scale=softmax_scale, layout=layout, seq_len=seq_len, window=window, softcap=softcap,
         chunk_size=chunk_size, replicated_prefix=replicated_prefix, replicated_suffix=replicated_suffix, mask=mask,
+        head_groups=head_groups,
     )
     call = prepare_dense(q, k, v, state, options, backend, sinks, alibi_slopes=alibi_slopes)
-    return to_bshd(_apply(call, sinks), layout)
+    return to_bshd(_apply_groups(call, sinks, options.head_groups, "seqpar.attention"), layout)
 
 
 def varlen_attention(
@@ -306,6 +518,7 @@ def varlen_attention(
     softcap: float = 0.0,
     sinks: Tensor | None = None,
     chunk_size: int | None = None,
+    head_groups: int = 1,
 ) -> Tensor:
     """Exact attention over packed variable-length sequences sharded with ``shard_packed``.
 
@@ -344,6 +557,8 @@ def varlen_attention(
         backend: a backend name or object.
         softcap: ``c > 0`` caps scores to ``c * tanh(s / c)``.
         sinks: ``(nheads,)`` sink logits.
+        head_groups: run over that many groups of query heads one after the other, as in
+            :func:`attention` (Note [Head groups]).
 
     Returns:
         ``(T_local, nheads, headdim_v)`` in q's dtype, contiguous. Gradients
@@ -354,8 +569,19 @@ def varlen_attention(
             head dims, k and v with different token or head counts, ``nheads`` not a
             multiple of ``nheads_kv``, negative or non-int lengths, bad options, and -- raised on
             every CP rank -- ``seq_lens`` that do not place exactly each rank's token count there
-            or that differ between ranks, and ranks that disagree on shapes or options.
+            or that differ between ranks, and ranks that disagree on shapes or options;
+            ``head_groups`` not an int >= 1 or more than ``nheads``.
     """
+    if torch.compiler.is_compiling() and head_groups != 1:
+        def run(q_g, k_g, v_g, sinks_g, _):
+            return varlen_attention(
+                q_g[0], k_g[0], v_g[0], state, seq_lens, causal=causal, softmax_scale=softmax_scale,
+                backend=backend, window=window, softcap=softcap, sinks=sinks_g, chunk_size=chunk_size,
+            )[None]
+
+        where = "seqpar.varlen_attention"
+        check_head_groups(head_groups, where)
+        return _compiled_groups(q[None], k[None], v[None], sinks, None, head_groups, run, where)[0]
     if torch.compiler.is_compiling():  # one opaque custom op (Note [torch.compile] in seqpar.compiled)
         from .compiled import compiled_varlen_attention
 
@@ -365,9 +591,9 @@ def varlen_attention(
         )
     call = prepare_varlen(
         q, k, v, state, seq_lens, causal=causal, softmax_scale=softmax_scale, backend=backend,
-        window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size,
+        window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size, head_groups=head_groups,
     )
-    return _apply(call, sinks)[0]
+    return _apply_groups(call, sinks, head_groups, "seqpar.varlen_attention")[0]
 
 
 class SequenceParallelAttention(nn.Module):

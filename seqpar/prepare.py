@@ -62,7 +62,7 @@ from .state import ParallelState, RingComm, require_state
 
 __all__ = [
     "Layout", "LAYOUTS", "to_bshd", "DenseOptions", "PreparedCall", "check_dense_options", "prepare_dense",
-    "prepare_varlen", "build_call", "resolve_backend", "check_slices_fit", "backend_name", "refuse_collectively", "collective_checks",
+    "prepare_varlen", "build_call", "check_head_groups", "resolve_backend", "check_slices_fit", "backend_name", "refuse_collectively", "collective_checks",
 ]
 
 Layout = Literal["bshd", "sbhd", "bhsd"]
@@ -107,12 +107,13 @@ class DenseOptions:
     suffix: int
     seq_len: int | None
     slices: MaskSlices | None = None
+    head_groups: int = 1
 
 
 def check_dense_options(
     *, causal: object, softmax_scale: object, layout: object, seq_len: object, window: object, softcap: object,
     chunk_size: object, replicated_prefix: object, replicated_suffix: object, where: str = "seqpar.attention",
-    mask: object = None,
+    mask: object = None, head_groups: object = 1,
 ) -> DenseOptions:
     """Validate the non-tensor options of :func:`seqpar.attention` before any conversion.
 
@@ -135,7 +136,14 @@ def check_dense_options(
     return DenseOptions(
         causal, window, chunk_size, softcap, None if softmax_scale is None else float(softmax_scale), layout,
         prefix, suffix, None if seq_len is None else as_int(seq_len, "seq_len", where), slices,
+        check_head_groups(head_groups, where),
     )
+
+
+def check_head_groups(head_groups: object, where: str) -> int:
+    """``head_groups`` as an int >= 1 (whether the call has that many query heads is checked
+    once the ranks agree on the shapes: ``seqpar.attention``'s Note [Head groups])."""
+    return as_int(head_groups, "head_groups (1: all heads in one exchange)", where, minimum=1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,7 +250,7 @@ def build_call(
 
 
 _REFUSED = 2  # the problem code of a rank that refuses the call (refuse_collectively)
-_DENSE_SIGNATURE = 20  # ints in the signature of a dense call (see prepare_dense); shorter ones are padded
+_DENSE_SIGNATURE = 21  # ints in the signature of a dense call (see prepare_dense); shorter ones are padded
 
 
 def refuse_collectively(state: ParallelState, device: torch.device, seq_len: int | None, error: Exception) -> None:
@@ -396,12 +404,13 @@ def prepare_dense(
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(o.causal), *o.window,
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
-            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), _ring_comm_code(state),
+            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), o.head_groups,
+            _ring_comm_code(state),
         ]
 
     names = (
         "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, "
-        f"seq_len, mask slices hash, ALiBi slopes hash, ring_comm {_RING_COMM_NAMES})"
+        f"seq_len, mask slices hash, ALiBi slopes hash, head_groups, ring_comm {_RING_COMM_NAMES})"
     )
     mask = Mask(o.causal, o.window, o.chunk_size, o.slices, slopes is not None)
     body = S - o.prefix - o.suffix
@@ -440,13 +449,14 @@ def _looks_cumulative(lens: tuple[int, ...]) -> bool:
 def prepare_varlen(
     q: Tensor, k: Tensor, v: Tensor, state: ParallelState, seq_lens: Sequence[int] | Tensor, *,
     causal: object, softmax_scale: object, backend: object, window: object, softcap: object,
-    sinks: Tensor | None, chunk_size: object, where: str = "seqpar.varlen_attention",
+    sinks: Tensor | None, chunk_size: object, where: str = "seqpar.varlen_attention", head_groups: object = 1,
 ) -> PreparedCall:
     """Validate a :func:`seqpar.varlen_attention` call and place its tokens (raises as it does).
     The call's tensors are the packed ones with a batch dim of one."""
     require_state(state, where)
     causal, window, chunk_size, softcap = check_mask_options(causal, window, chunk_size, softcap, where)
     check_scale(softmax_scale, where)
+    head_groups = check_head_groups(head_groups, where)
     check_qkv(q, k, v, ndim=3, shape_doc="[T_local, heads, head_dim] as produced by seqpar.shard_packed", where=where)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(
@@ -469,12 +479,12 @@ def prepare_varlen(
         return [
             *_seq_lens_digest(lens), H, Hkv, D, v.shape[-1], _DTYPE_CODES.get(q.dtype, 0),
             int(causal), *window, -1 if chunk_size is None else chunk_size, int(sinks is not None),
-            _bits(scale), _bits(softcap), _ring_comm_code(state),
+            _bits(scale), _bits(softcap), head_groups, _ring_comm_code(state),
         ]
 
     names = (
         "(seq_lens fingerprint: count, sum, hash x2; H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, "
-        f"scale, softcap, ring_comm {_RING_COMM_NAMES})"
+        f"scale, softcap, head_groups, ring_comm {_RING_COMM_NAMES})"
     )
     if collective_checks(state, q.device, lengths_known=True):
         got = _exchange_lengths(T, 0, signature, names, state, q.device, where)

@@ -424,14 +424,37 @@ def _kept_head_shards(model: ModelShape, ulysses: int) -> int:
     return model.element_size * (ulysses * (2 * h + 2 * kv) - model.heads - 2 * model.kv_heads) * model.head_dim
 
 
-def _layer_working_set(model: ModelShape, ring: int, ulysses: int, mlp_chunks: int) -> float:
-    """Derived bytes per local token of ONE layer's backward (Note [Memory model]), unscaled."""
+def _group_heads(model: ModelShape, ulysses: int, head_groups: int) -> tuple[int, int]:
+    """The busiest rank's query heads and kernel K/V heads in the largest of ``head_groups``
+    groups of query heads (Note [Head groups] in ``seqpar/attention.py``: each group carries the
+    K/V heads its query heads read, one per query head where they read them unevenly)."""
+    from ..placement.heads import head_assignments
+    from ..placement.sizes import split_sizes
+
+    H, Hkv = model.heads, model.kv_heads
+    if head_groups == 1:
+        return _ulysses_heads(model, ulysses) if ulysses > 1 else (H, Hkv)
+    rep, start, h, kv = H // Hkv, 0, 0, 0
+    for size in split_sizes(H, head_groups):
+        reads = [q // rep for q in range(start, start + size)]
+        counts = {reads.count(j) for j in set(reads)}
+        n_kv = len(set(reads)) if len(counts) == 1 else size
+        for a in head_assignments(size, n_kv, ulysses):
+            h, kv = max(h, a.q_len), max(kv, a.kernel_kv_heads)
+        start += size
+    return h, kv
+
+
+def _layer_working_set(model: ModelShape, ring: int, ulysses: int, mlp_chunks: int, head_groups: int = 1) -> float:
+    """Derived bytes per local token of ONE layer's backward (Note [Memory model]), unscaled.
+    With ``head_groups`` the head-sharded copies, the accumulators and the ring's slots are the
+    largest group's; the shard's tensors, their gradients and the LSEs are the call's."""
     e, D, R, U = model.element_size, model.head_dim, ring, ulysses
     H, Hkv = model.heads, model.kv_heads
     w = e * 6 * model.hidden  # norm outputs, residual, incoming / outgoing gradients
     w += e * 2 * (2 * H + 2 * Hkv) * D  # q, k, v, out of the shard and their gradients
     w += 4 * H  # log-sum-exps
-    h, kv = _ulysses_heads(model, U) if U > 1 else (H, Hkv)
+    h, kv = _group_heads(model, U, head_groups)
     if U > 1:
         w += e * 2 * U * (3 * h + 2 * kv) * D + 4 * U * h  # head-sharded q, k, v, out, dout + staging
     w += 4 * U * (h + 2 * kv) * D  # fp32 dq, dk, dv accumulators
@@ -457,6 +480,7 @@ def longest_context(
     loss_chunk_tokens: int | None = None,
     tiled_mlp_chunks: int = 1,
     keep_head_shards: bool = False,
+    head_groups: int = 1,
     zero_stage: int = 3,
     grad_bytes: int | None = None,
     optimizer_bytes_per_param: int = 12,
@@ -484,6 +508,10 @@ def longest_context(
             the Ulysses head shards q_u, k_u, v_u, out_u instead of the shard's q, k, v, out, while
             the output projection still saves the shard's out: at least one output per token
             more (more with ``Hkv < U``), checkpointed or not. Less traffic, never more context.
+        head_groups: the attention calls' ``head_groups`` (Note [Head groups] in
+            ``seqpar/attention.py``): the layer's head-sharded copies, fp32 accumulators and ring
+            slots are those of the largest group of query heads (``split_sizes(H, G)``); the
+            shard's q, k, v, out, their gradients and every saved tensor are not. 1: all heads.
         zero_stage: 0 (replicated), 1 (optimizer sharded), 2 (+ gradients), 3 (+ parameters;
             FSDP), over the ``dp * R * U`` ranks.
         grad_bytes: bytes per gradient element (``None``: the model's element size).
@@ -506,8 +534,11 @@ def longest_context(
     if not isinstance(model, ModelShape):
         raise ValueError(f"{where}: model must be a ModelShape (e.g. ModelShape.llama3_8b()), got {type(model).__name__}")
     for name, value in (("ring", ring), ("ulysses", ulysses), ("dp", dp), ("device_bytes", device_bytes),
-                        ("tiled_mlp_chunks", tiled_mlp_chunks)):
+                        ("tiled_mlp_chunks", tiled_mlp_chunks), ("head_groups", head_groups)):
         _positive(where, name, value)
+    if head_groups > model.heads:
+        raise ValueError(f"{where}: head_groups={head_groups} is more than the model's {model.heads} query heads; "
+                         f"use head_groups <= {model.heads}")
     for name, value in (("reserve_bytes", reserve_bytes), ("optimizer_bytes_per_param", optimizer_bytes_per_param)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
@@ -567,7 +598,7 @@ def longest_context(
     if offload:  # the recomputed layer's input, copied back to the device (offload needs checkpointing)
         layer_per_token["running layer's input (copied back)"] = float(hid * e)
     layer_per_token["one layer's working set (x layer_factor)"] = (
-        cal.factor_for(R, U) * _layer_working_set(model, R, U, tiled_mlp_chunks))
+        cal.factor_for(R, U) * _layer_working_set(model, R, U, tiled_mlp_chunks, head_groups))
     if checkpointing and keep_head_shards and U > 1:
         layer_per_token["kept head shards (keep_head_shards)"] = float(_kept_head_shards(model, U))
 
@@ -622,7 +653,7 @@ def longest_context(
         local, limited_by = int(host_bytes // host_per_token), "host"
     options = dict(checkpointing=checkpointing, offload=offload, tiled_loss=tiled_loss,
                    loss_chunk_tokens=loss_chunk_tokens, tiled_mlp_chunks=tiled_mlp_chunks,
-                   keep_head_shards=keep_head_shards and U > 1, zero_stage=zero_stage,
+                   keep_head_shards=keep_head_shards and U > 1, head_groups=head_groups, zero_stage=zero_stage,
                    grad_bytes=g, optimizer_bytes_per_param=optimizer_bytes_per_param,
                    train_embeddings=train_embeddings)
     return MemoryPrediction(
