@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from seqpar import ParallelState  # noqa: E402
-from seqpar.integrations.transformers import SeqparCache, generate, register  # noqa: E402
+from seqpar.integrations.transformers import SeqparCache, cache_argument, generate, register  # noqa: E402
 
 VOCAB = 97
 FAMILIES = ["llama", "mistral", "gemma2", "gpt_oss", "qwen2"]
@@ -135,15 +136,19 @@ def _rank_own_loop(ring: int, ulysses: int) -> float:
     ref, model = _pair("gemma2", name)
     ids = _prompt(1, 41)
     cache = SeqparCache(state, model.config.num_hidden_layers)
+    # the installed release's cache keyword (`cache` from transformers 5.24, `past_key_values` before);
+    # odd steps pass the old name, which 5.24 still accepts (with a FutureWarning)
+    names = [cache_argument("test"), "past_key_values"]
     err = 0.0
-    with torch.no_grad():
-        model(input_ids=shard(ids, state), position_ids=shard_positions(41, state)[None], past_key_values=cache,
-              use_cache=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model(input_ids=shard(ids, state), position_ids=shard_positions(41, state)[None], use_cache=True,
+              **{names[0]: cache})
         for step in range(6):
             nxt = ids[:, -1:] if step == 0 else nxt
             if step == 0:  # the prompt's last token again is not allowed: feed a fresh token
                 nxt = torch.tensor([[5]])
-            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=nxt, use_cache=True, **{names[step % 2]: cache}).logits
             ids = torch.cat([ids, nxt], 1)
             want = ref(input_ids=ids).logits[:, -1:]
             err = max(err, (logits - want).abs().max().item())
@@ -165,6 +170,9 @@ def test_refusals_name_the_option():
         generate(model, ids, state, assistant_model=copy.deepcopy(model))
     with pytest.raises(NotImplementedError, match="cache_implementation"):
         generate(model, ids, state, cache_implementation="static")
+    for cache_name in ("cache", "past_key_values"):  # either name of the cache argument (5.24 renamed it)
+        with pytest.raises(NotImplementedError, match=f"{cache_name} is not supported"):
+            generate(model, ids, state, **{cache_name: SeqparCache(state, 2)})
     with pytest.raises(ValueError, match="padding"):
         generate(model, ids, state, attention_mask=torch.tensor([[0] + [1] * 8]))
     other = ParallelState()

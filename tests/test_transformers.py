@@ -22,6 +22,7 @@ from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import (  # noqa: E402
     RecognisedMask,
     attention_forward,
+    cache_argument,
     recognise_mask_function,
     register,
 )
@@ -534,10 +535,24 @@ def test_restarting_positions_raise(single):
 def test_kv_cache_decoding_raises(single):
     _, model = single
     ids = torch.randint(0, VOCAB, (1, 6))
+    name = cache_argument("test")  # the output field and keyword: `cache` from transformers 5.24
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        cache = getattr(model(input_ids=ids, use_cache=True), name)
         with pytest.raises(NotImplementedError, match="use_cache=False"):
-            model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :1], use_cache=True, **{name: cache})
+
+
+def test_seqpar_cache_under_a_keyword_the_model_does_not_take_is_refused(single):
+    """Before transformers 5.24 ``cache=`` is not the models' cache argument: a SeqparCache passed so
+    reaches the attention function unused (the model decodes over its own cache), which refuses it."""
+    from seqpar.integrations.transformers_cache import SeqparCache
+
+    if cache_argument("test") == "cache":
+        pytest.skip("transformers >= 5.24 takes the cache as cache= and still accepts past_key_values=")
+    _, model = single
+    cache = SeqparCache(ParallelState(), model.config.num_hidden_layers)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="passes cache=SeqparCache"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 6)), cache=cache, use_cache=True)
 
 
 def test_dropout_raises():
@@ -735,20 +750,31 @@ def test_import_seqpar_does_not_import_transformers():
 # on every rank by the structural check -- tests/test_model_check.py and tests/test_hybrid_*.py.
 
 
-def test_kv_cache_refuses_transformers_with_the_renamed_cache_argument(monkeypatch):
-    """transformers 5.24 passes the cache as ``cache=``: SeqparCache and generate say so instead of
-    failing inside the model with a misleading placement error."""
-    import transformers
+def test_cache_argument_is_the_one_the_installed_models_take():
+    """transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``: seqpar hands its
+    cache under the name the installed release's models take."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    name = cache_argument("test")
+    assert name in inspect.signature(LlamaModel.forward).parameters
+    assert name in inspect.signature(LlamaForCausalLM.forward).parameters
+
+
+def test_kv_cache_refuses_a_transformers_without_a_known_cache_argument(monkeypatch):
+    """A release whose generation API takes the cache under a name seqpar does not know: SeqparCache
+    and generate say so (naming the version) instead of failing inside the model."""
+    from transformers.generation.utils import GenerationMixin
 
     from seqpar.integrations import transformers as integration
     from seqpar.integrations.transformers_cache import SeqparCache
 
-    for version in ("5.24.0", "5.30.1", "6.0.0.dev0"):
-        monkeypatch.setattr(transformers, "__version__", version)
-        with pytest.raises(NotImplementedError, match=r"transformers<5\.24"):
-            SeqparCache(ParallelState(), 2)
-        with pytest.raises(NotImplementedError, match="renamed from `past_key_values`"):
-            integration.generate(torch.nn.Linear(1, 1), torch.zeros(1, 3, dtype=torch.long), ParallelState())
-    for version in ("5.23.0", "4.57.6", "5.9.0"):
-        monkeypatch.setattr(transformers, "__version__", version)
-        integration._require_cache_api("x")  # no error
+    def renamed(self, input_ids, kv_cache=None, **kwargs):
+        return {}
+
+    monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", renamed)
+    with pytest.raises(NotImplementedError, match=r"neither of \['cache', 'past_key_values'\].*kv_cache"):
+        SeqparCache(ParallelState(), 2)
+    with pytest.raises(NotImplementedError, match="seqpar generate: transformers .* takes the KV cache under neither"):
+        integration.generate(torch.nn.Linear(1, 1), torch.zeros(1, 3, dtype=torch.long), ParallelState())

@@ -138,6 +138,7 @@ __all__ = [
 # generate() options that a sharded KV cache cannot serve, and why.
 _GENERATE_REFUSED = {
     "past_key_values": "generate makes its own seqpar cache; call the model yourself to pass one",
+    "cache": "generate makes its own seqpar cache; call the model yourself to pass one",
     "cache_implementation": "the cache is seqpar's sharded cache",
     "assistant_model": "assisted decoding crops the cache",
     "prompt_lookup_num_tokens": "prompt lookup decoding crops the cache",
@@ -152,7 +153,9 @@ _BUILTIN = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_atten
 _HONOURED_KWARGS = frozenset({"position_ids", "sliding_window", "softcap", "s_aux", "sinks"})
 # Kwargs models pass along that do not change what attention computes: transformers' per-call
 # options (TransformersKwargs), the cache (served through key._seqpar_cache, or refused by the key
-# length), RoPE tables already applied to q and k, and layer bookkeeping.
+# length), RoPE tables already applied to q and k, and layer bookkeeping. Not ``cache``: no model of
+# transformers 5.24 (which takes the cache under that name) hands it on to attention, and before 5.24
+# a ``cache=`` reaching attention is one the model did not use (its own cache took the keys), refused.
 _PASS_THROUGH_KWARGS = frozenset({
     "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "use_cache",
     "cache_position", "num_items_in_batch", "past_key_values", "past_key_value", "position_embeddings",
@@ -676,7 +679,8 @@ def attention_forward(
                 f"seqpar attention: query has {n} tokens but key/value have {key.shape[2]}: "
                 "decoding with transformers' own KV cache is not supported on sequence shards; call the model "
                 "with use_cache=False, or decode with seqpar's cache: seqpar.integrations.transformers.generate "
-                "or past_key_values=SeqparCache(state, num_layers) (docs/inference.md)"
+                "or pass SeqparCache(state, num_layers) as the model's cache (cache=, past_key_values= before "
+                "transformers 5.24; docs/inference.md)"
             )
         groups = getattr(module, "num_key_value_groups", None)
         if groups is not None and query.shape[1] != key.shape[1] * groups:
@@ -848,7 +852,7 @@ def _cached_mask(
     return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "")
 
 
-def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto") -> str:
+def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto", mixing: str = "head_parallel") -> str:
     """Register seqpar attention over ``state`` with transformers under ``name``.
 
     Registers :func:`attention_forward` and :func:`mask_function` (both bound to ``state``) in
@@ -866,13 +870,16 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
         state: the parallel state the tokens are sharded over.
         name: the ``attn_implementation`` name.
         backend: attention backend passed to ``seqpar.attention``.
+        mixing: how hybrid layers' token mixers run on shards: ``"head_parallel"``,
+            ``"state_passing"`` or ``"auto"`` (``seqpar.integrations.transformers_mixers.install``;
+            docs/hybrid-models.md, "Choosing the mode").
 
     Returns:
         ``name``.
 
     Raises:
-        ValueError: ``state`` is not a ParallelState, or ``name`` is empty or one of transformers'
-            built-in implementations.
+        ValueError: ``state`` is not a ParallelState, ``name`` is empty or one of transformers'
+            built-in implementations, or ``mixing`` names no mode.
         ImportError: transformers is missing or older than 4.53.
     """
     require_state(state, "register")
@@ -881,6 +888,9 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
             f"register: name must be a new attn_implementation name, got {name!r} (built-in names "
             f"{list(_BUILTIN)} cannot be replaced)"
         )
+    from .transformers_mixers.modes import check_mixing
+
+    check_mixing(mixing, "register")
     attention_interface, mask_interface = _interfaces()
 
     def seqpar_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -894,7 +904,7 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
 
     from .transformers_guard import Binding, install
 
-    seqpar_attention._seqpar_binding = Binding(state, backend)  # models built for `name` find their state
+    seqpar_attention._seqpar_binding = Binding(state, backend, mixing)  # models built for `name` find their state
     attention_interface.register(name, seqpar_attention)
     mask_interface.register(name, seqpar_mask)
     install(_MODEL_CHECKS)
@@ -1024,23 +1034,42 @@ def _served_by_cache(module: torch.nn.Module, key: Tensor, value: Tensor, state:
     return None if cache_module is None else cache_module.derived_binding(module, key, value, state)
 
 
-# transformers 5.24 renamed the models' ``past_key_values`` argument to ``cache`` and prefills the
-# last prompt token in a call of its own; SeqparCache and generate are written against the older
-# calls (checked up to 5.23, the range the ``hf`` extra installs).
-_CACHE_API_UNTIL = (5, 24)
+# Note [transformers cache argument]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers 5.24 renamed the KV cache argument of the models, ``generate`` and the mask builders
+# from ``past_key_values`` to ``cache`` (the old name still works there, with a FutureWarning, and
+# model outputs carry ``.cache``). Everything else SeqparCache relies on is unchanged: layers call
+# ``update(key, value, layer_idx, ...)`` and hand the result to the attention function, and
+# ``generate`` slices the prompt by ``get_seq_length``. seqpar passes the cache under the name the
+# installed release's generation API takes (its signature, read here and nowhere else) and reads a
+# model call's cache under either name (:data:`CACHE_ARGUMENTS`).
+CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
-def _require_cache_api(where: str) -> None:
-    """Refuse transformers releases whose cache calls seqpar's KV-cache integration does not know."""
+def cache_argument(where: str) -> str:
+    """The keyword under which the installed transformers passes the KV cache to models and
+    ``generate``: ``"cache"`` (5.24 on) or ``"past_key_values"`` (before); Note [transformers cache
+    argument].
+
+    Raises:
+        NotImplementedError: a release whose generation API takes neither (named with the version).
+    """
+    import inspect
+
     import transformers
-    from packaging.version import Version  # a requirement of transformers
+    from transformers.generation.utils import GenerationMixin
 
-    if Version(transformers.__version__).release[:2] >= _CACHE_API_UNTIL:
+    # inspect.signature follows the __wrapped__ of transformers' deprecate_kwarg decorators
+    parameters = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    name = next((n for n in CACHE_ARGUMENTS if n in parameters), None)
+    if name is None:
         raise NotImplementedError(
-            f"{where}: transformers {transformers.__version__} passes the KV cache as `cache=` (renamed from "
-            "`past_key_values` in 5.24), which seqpar's sharded KV cache does not support yet; install "
-            "'transformers<5.24' (pip install -e \".[hf]\"), or prefill with seqpar.inference (docs/inference.md)"
+            f"{where}: transformers {transformers.__version__} takes the KV cache under neither of "
+            f"{list(CACHE_ARGUMENTS)} (GenerationMixin.prepare_inputs_for_generation has {list(parameters)}), "
+            "so seqpar's sharded KV cache cannot be handed to it; install a release seqpar supports "
+            "(pip install -e \".[hf]\"), or prefill with seqpar.inference (docs/inference.md)"
         )
+    return name
 
 
 def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **generate_kwargs: Any) -> Any:
@@ -1073,7 +1102,7 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
     Raises:
         ValueError: a model not built for ``state``'s implementation, prompts or generation
             settings (beams, length limit) that differ between CP ranks, a padding ``attention_mask``.
-        NotImplementedError: options a sharded cache cannot serve (``past_key_values``,
+        NotImplementedError: options a sharded cache cannot serve (``cache`` / ``past_key_values``,
             ``cache_implementation``, ``assistant_model``, ``prompt_lookup_num_tokens``,
             ``inputs_embeds``, ``synced_gpus``, ``use_cache=False``), named in the message.
         Every check that can fail on one rank only fails on every CP rank.
@@ -1084,7 +1113,7 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
     from .transformers_cache import SeqparCache
 
     require_state(state, "seqpar.integrations.transformers.generate")
-    _require_cache_api("seqpar generate")
+    cache_name = cache_argument("seqpar generate")
     generate_kwargs = dict(generate_kwargs)
     error: Exception | None = None
     row = [0, 0, 0, 0, 0]
@@ -1124,7 +1153,7 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
                 model(
                     input_ids=shard(input_ids[:, :prompt], state),
                     position_ids=shard_positions(prompt, state, device=input_ids.device)[None],
-                    past_key_values=cache, use_cache=True,
+                    use_cache=True, **{cache_name: cache},
                 )
         if expand > 1:  # generate repeats input_ids for beams / returned sequences but not a cache it is given
             cache.kv.repeat(expand)
@@ -1136,7 +1165,7 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
         else:
             generate_kwargs["use_cache"] = True
         with synchronized(state, cuda=input_ids.device.type == "cuda"), _stopping_agreed(model, state):
-            return model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+            return model.generate(input_ids, **{cache_name: cache}, **generate_kwargs)
     finally:
         cache.release()
 

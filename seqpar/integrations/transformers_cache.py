@@ -2,8 +2,9 @@
 
 Note [transformers cache on shards]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-transformers' attention modules call ``past_key_values.update(key, value, layer_idx)`` and hand
-what it returns to the registered attention function. :class:`SeqparCache.update` stores nothing
+transformers' attention modules call ``cache.update(key, value, layer_idx)`` (the argument is
+``past_key_values`` before transformers 5.24; Note [transformers cache argument] in
+``seqpar.integrations.transformers``) and hand what it returns to the registered attention function. :class:`SeqparCache.update` stores nothing
 itself: it tags the returned key with ``(cache, layer_idx, sharded)`` and the attention function
 of ``seqpar.integrations.transformers`` runs the layer through ``seqpar.inference.prefill``
 (``sharded``: the first forward of a cache made with ``sharded_prefill=True``, with this rank's
@@ -164,9 +165,9 @@ class SeqparCache(Cache):
 
     def __init__(self, state: ParallelState, num_layers: int, *, sharded_prefill: bool = True) -> None:
         require_state(state, "SeqparCache")
-        from .transformers import _require_cache_api
+        from .transformers import cache_argument
 
-        _require_cache_api("SeqparCache")
+        cache_argument("SeqparCache")  # a release that takes no cache argument seqpar knows is refused here
         self.kv = KVCache(state, num_layers)
         self.sharded_prefill = bool(sharded_prefill)
         super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])

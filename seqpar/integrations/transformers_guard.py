@@ -52,7 +52,8 @@ the rest, naming each module path and how it was found, e.g. ``model.layers.0.se
 model's structure only, so every rank raises the same ``NotImplementedError`` without communicating,
 before the exchange below; it is cached on the model until any module is registered anywhere in the
 process (a layer replaced after the build is seen). With ``cp_size == 1`` nothing is sharded and
-such models run.
+such models run (DeepSeek sparse attention layers through their adapter, since they hand seqpar's
+mask object to their indexer: Note [DeepSeek sparse attention on shards]).
 
 So :func:`seqpar.integrations.transformers.register` installs, once per process, a torch module
 registration hook: when a ``PreTrainedModel`` whose config names a seqpar implementation gets its
@@ -105,6 +106,7 @@ class Binding:
 
     state: ParallelState
     backend: str
+    mixing: str = "head_parallel"  # how token mixers run on shards (transformers_mixers.install)
 
 
 def binding(name: object) -> Binding | None:
@@ -575,7 +577,7 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _refuse_token_mixers(model: nn.Module, state: ParallelState) -> None:
+def _refuse_token_mixers(model: nn.Module, state: ParallelState, mixing: str = "head_parallel") -> None:
     """Refuse, on every rank alike (decided from structure, without communication), a model with
     token mixers seqpar does not handle, before it runs on ``cp_size > 1`` shards.
 
@@ -587,7 +589,7 @@ def _refuse_token_mixers(model: nn.Module, state: ParallelState) -> None:
     found = _model_token_mixers(model)  # cached: an ordinary model's call stops here
     if not found:
         return
-    install(model, state)  # Note [transformers token-mixer adapters]: adapted modules are exact
+    install(model, state, mixing)  # Note [transformers token-mixer adapters]: adapted modules are exact
     modules = dict(model.named_modules())
     mixers = [m for m in found if not any(handled(modules[p], state) for p in _ancestors(m.path) if p in modules)]
     if not mixers:
@@ -599,6 +601,17 @@ def _refuse_token_mixers(model: nn.Module, state: ParallelState) -> None:
         "its rank's tokens (silently wrong outputs), so the model is refused on every rank; run it with "
         "cp_size 1, or see docs/models.md for the families seqpar runs"
     )
+
+
+def _adapt_on_one_rank(model: nn.Module, state: ParallelState) -> None:
+    """With one rank nothing is sharded and token mixers run as they are, except DeepSeek sparse
+    attention layers, which hand seqpar's mask object to their indexer: their adapter runs them
+    (Note [DeepSeek sparse attention on shards] in ``transformers_mixers.sparse``)."""
+    from .transformers_mixers import install
+    from .transformers_mixers.sparse import sparse_attention_layers
+
+    if sparse_attention_layers(model):
+        install(model, state)
 
 
 @functools.lru_cache(maxsize=64)
@@ -643,9 +656,11 @@ fingerprint = _fingerprint
 
 def _decoding(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     """The ``SeqparCache`` of a call that passes new tokens on every rank (not a sharded prefill), or None."""
+    from .transformers import CACHE_ARGUMENTS
     from .transformers_cache import SeqparCache
 
-    cache = _argument(model, args, kwargs, "past_key_values")
+    # under either name: transformers >= 5.24 takes `cache` and still accepts `past_key_values`
+    cache = next((c for c in (_argument(model, args, kwargs, n) for n in CACHE_ARGUMENTS) if c is not None), None)
     if isinstance(cache, SeqparCache) and not (cache.layers and cache.layers[0].sharded):
         return cache
     return None
@@ -741,7 +756,9 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, name: s
         return
     state = bound.state
     if state.cp_size > 1 and getattr(model.config, "_attn_implementation", None) == name:
-        _refuse_token_mixers(model, state)  # the same on every rank: no exchange needed
+        _refuse_token_mixers(model, state, bound.mixing)  # the same on every rank: no exchange needed
+    elif getattr(model.config, "_attn_implementation", None) == name and _model_token_mixers(model):
+        _adapt_on_one_rank(model, state)
     cache = _decoding(model, args, kwargs) if state.cp_size > 1 else None
     if cache is not None and getattr(model.config, "_attn_implementation", None) == name:
         if not _computes_attention_itself(type(model)):

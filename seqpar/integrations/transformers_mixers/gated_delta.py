@@ -27,6 +27,13 @@ batches (``cu_seq_lens_q``, ``seq_idx``) are refused: this step does not hand st
 Both refusals follow from the call's arguments, which every CP rank passes alike, so every rank
 raises the same error before any collective.
 
+In state-passing mode (Note [Choosing the mixing mode]) the same rebound rule call runs the conv
+on the rank's own tokens with their ``K - 1`` token halo (``causal_conv1d_halo``, on the pre-conv
+q/k/v channels) and the rule by :func:`~seqpar.mixing.state_passing`, each piece by the model's
+own rule kernel (:class:`KernelRule`): its outputs and final state from a zero state, its
+transition from ``Dk`` extra value columns started at the identity, and a re-run from the true
+initial state where the piece does not start the sequence.
+
 Read against transformers 5.23's modeling files; a forward of another shape is refused when the
 adapter is installed (``rebind.original_kernels``).
 """
@@ -41,9 +48,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...mixing import HeadShard, head_parallel
+from ...mixing import HeadShard, Recurrence, Summary, causal_conv1d_halo, head_parallel, state_passing
 from ...state import ParallelState
-from . import register_adapter
+from . import CHOOSER, register_adapter
+from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import original_kernels, rebind_forward, set_forward
 
 __all__: list[str] = []
@@ -112,10 +120,12 @@ class ConvAndRuleKernels:
     rule_name = "gated delta rule"  # in messages
     kernel_names = (_CONV, _RULE)  # the module-level names the forward calls its conv and rule by
 
-    def __init__(self, module: nn.Module, state: ParallelState, parameters: tuple[str, ...]) -> None:
+    def __init__(self, module: nn.Module, state: ParallelState, parameters: tuple[str, ...],
+                 mixing: str = HEAD_PARALLEL) -> None:
         kernels = original_kernels(module, self.kernel_names, parameters)
         self.name = type(module).__name__
         self.state = state
+        self.chooser = ModeChooser(state, mixing)
         self.conv_kernel, self.rule_kernel = (kernels[n] for n in self.kernel_names)
         self.pending: ConvCall | None = None  # set by conv, taken by rule, within one forward
 
@@ -162,11 +172,79 @@ class ConvAndRuleKernels:
         )
 
 
+class KernelRule(Recurrence):
+    """A delta rule run by the model's own chunked kernel, for :func:`~seqpar.mixing.state_passing`.
+
+    ``kernel(q, k, v, g=, beta=, initial_state=, output_final_state=True,
+    use_qk_l2norm_in_kernel=, **extra)`` is the modeling file's (``torch_chunk_gated_delta_rule``,
+    ``chunk_kimi_delta_attention``: the installed flash-linear-attention kernel or the torch
+    fallback), so every piece is computed as the model computes it. Inputs ``q, k [B, n, Hk,
+    Dk]``, ``v [B, n, H, Dv]``, ``g`` and ``beta`` as the kernel takes them; state ``[H, Dk, Dv]``.
+    The state's columns evolve independently (``S_t = A_t S_{t-1} + k_t (beta_t v_t)^T``, ``A_t``
+    acting on the left), so one run with ``Dk`` zero value columns appended and the identity as
+    their initial state gives the piece's transition ``P [H, Dk, Dk]`` as those columns' final
+    state. The correction re-runs the kernel from the true initial state (its outputs exactly).
+    """
+
+    num_inputs = 5
+    input_names = ("q", "k", "v", "g", "beta")
+
+    def __init__(self, kernel: Callable[..., Any], use_qk_l2norm: bool, extra: dict[str, Any]) -> None:
+        self.fn, self.use_qk_l2norm, self.extra = kernel, use_qk_l2norm, extra
+
+    def heads(self, inputs):
+        return inputs[2].shape[2]
+
+    def state_shape(self, inputs):
+        return (inputs[2].shape[2], inputs[1].shape[3], inputs[2].shape[3])
+
+    def transition_shape(self, inputs):
+        return (inputs[2].shape[2], inputs[1].shape[3], inputs[1].shape[3])
+
+    def _run(self, inputs, v: Tensor, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+        q, k, _, g, beta = inputs
+        return self.fn(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                       use_qk_l2norm_in_kernel=self.use_qk_l2norm, **self.extra)
+
+    def kernel(self, inputs, initial_state):
+        out, final = self._run(inputs, inputs[2], initial_state)
+        return (out,), final
+
+    def apply(self, transition, state):
+        return transition @ state
+
+    def summarize(self, inputs):
+        v = inputs[2]
+        B, _, H, Dv = v.shape
+        Dk = inputs[1].shape[3]
+        dtype = summary_dtype(*inputs)
+        eye = torch.eye(Dk, dtype=dtype, device=v.device).expand(B, H, Dk, Dk)
+        h0 = torch.cat([torch.zeros(B, H, Dk, Dv, dtype=dtype, device=v.device), eye], -1)
+        out, final = self._run(inputs, torch.cat([v, v.new_zeros(*v.shape[:3], Dk)], -1), h0)
+        return Summary((out[..., :Dv],), final[..., :Dv], final[..., Dv:])
+
+
+def halo_and_rule_bytes(
+    state: ParallelState, conv: ConvCall, heads: int, dk: int, dv: int, dtype: torch.dtype,
+) -> int:
+    """Bytes a rank receives in state-passing mode (Note [Choosing the mixing mode]): every other
+    rank's pieces' summaries (``P [H, Dk, Dk]`` and ``b [H, Dk, Dv]``) and conv halos."""
+    batch, channels = conv.x.shape[:2]
+    summary = heads * dk * (dk + dv) * torch.empty(0, dtype=dtype).element_size()
+    halo = (conv.weight.shape[-1] - 1) * channels * conv.x.element_size()
+    return (state.cp_size - 1) * pieces_per_rank(state) * batch * (summary + halo)
+
+
+def summary_dtype(*tensors: Tensor) -> torch.dtype:
+    """fp32, or float64 when any input is: the dtype state passing sums summaries in."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 class _GatedDeltaKernels(ConvAndRuleKernels):
     """Qwen3-Next / Qwen3.5 / OLMo-Hybrid: q, k with K heads, v with V heads reading them."""
 
-    def __init__(self, module: nn.Module, state: ParallelState) -> None:
-        super().__init__(module, state, _PARAMETERS)
+    def __init__(self, module: nn.Module, state: ParallelState, mixing: str) -> None:
+        super().__init__(module, state, _PARAMETERS, mixing)
 
     def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
             use_qk_l2norm_in_kernel: bool, extra: dict[str, Any]) -> Tensor:
@@ -184,6 +262,15 @@ class _GatedDeltaKernels(ConvAndRuleKernels):
                 f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
                 f"{tuple(conv.x.shape)} channels"
             )
+        batch = query.shape[0]
+        per_token = batch * (  # in: the pre-conv channels, g and beta; out: the rule's output
+            conv.x.shape[1] * conv.x.element_size()
+            + hv * (g.element_size() + beta.element_size() + dv * value.element_size())
+        )
+        sp_bytes = halo_and_rule_bytes(self.state, conv, hv, dk, dv, summary_dtype(query, key, value, g, beta))
+        mode, seq_len = self.chooser.pick(query.shape[1], hv, per_token, sp_bytes, query.device)
+        if mode == STATE_PASSING:
+            return self._state_passing(conv, channels, hk, hv, dk, dv, g, beta, use_qk_l2norm_in_kernel, extra, seq_len)
         conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
 
         def mix(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
@@ -212,8 +299,20 @@ class _GatedDeltaKernels(ConvAndRuleKernels):
             )
             return out
 
-        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv)
+        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv, seq_len=seq_len)
 
+    def _state_passing(
+        self, conv: ConvCall, channels: tuple[int, int, int], hk: int, hv: int, dk: int, dv: int, g: Tensor,
+        beta: Tensor, use_qk_l2norm: bool, extra: dict[str, Any], seq_len: int | None,
+    ) -> Tensor:
+        """Conv by its halo, then the rule by state passing, each rank on its own tokens."""
+        y = causal_conv1d_halo(conv.x.transpose(1, 2), conv.weight, conv.bias, self.state,
+                               activation=conv.activation, seq_len=seq_len)  # [B, S_local, C]
+        q, k, v = y.split(channels, dim=-1)
+        inputs = [q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv)), g, beta]
+        (out,), _ = state_passing(KernelRule(self.rule_kernel, use_qk_l2norm, extra), inputs, self.state,
+                                  seq_len=seq_len)
+        return out
 
 
 def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode: tuple[str, ...]) -> None:
@@ -241,11 +340,13 @@ def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode
     set_forward(module, forward)
 
 
-def _install(module: nn.Module, state: ParallelState) -> None:
+def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
-    install_conv_and_rule(module, _GatedDeltaKernels(module, state), _DECODE)
+    kernels = _GatedDeltaKernels(module, state, mixing)
+    install_conv_and_rule(module, kernels, _DECODE)
+    object.__setattr__(module, CHOOSER, kernels.chooser)
 
 
 for _qualname in _CLASSES:
-    register_adapter(_qualname)(_install)
+    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_install)

@@ -17,6 +17,9 @@ activation, padding mask, then the loop, norm, output gate, projection) with the
 the head-parallel call, on the module's own buffers narrowed to the rank's heads. The blocks are
 cut from the global sequence start, as on one device, so the result is the one-device loop's on
 those heads. The forward's second output (the final ``K^T V`` state, for a cache) is ``None``.
+In state-passing mode (Note [Choosing the mixing mode]) the loop is replaced by
+``ScalarDecayAttention`` on the rank's own tokens (log decay ``-slope`` per head and token: the
+same sum), its piece states passed between ranks.
 
 **Kimi delta attention** (``KimiLinearDeltaAttention``, ``BailingHybridDeltaAttention``): q, k,
 v (``H`` heads of ``D`` each), a per-channel decay ``g`` ``[B, S, H, D]`` and a gate ``beta``
@@ -41,10 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...mixing import HeadShard, head_parallel
+from ...mixing import HeadShard, ScalarDecayAttention, head_parallel, state_passing
 from ...state import ParallelState
-from . import register_adapter
-from .gated_delta import ConvAndRuleKernels, ConvCall, install_conv_and_rule, refuse_call
+from . import CHOOSER, register_adapter
+from .gated_delta import ConvAndRuleKernels, ConvCall, install_conv_and_rule, refuse_call, summary_dtype
+from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import checked_forward, refuse_adapting, set_forward
 
 __all__: list[str] = []
@@ -95,7 +99,19 @@ def _check_lightning(module: nn.Module) -> None:
         raise refuse_adapting(cls, f"it has no {missing} to compute lightning attention from")
 
 
-def _install_lightning(module: nn.Module, state: ParallelState) -> None:
+def _lightning_state_passing(module: nn.Module, state: ParallelState, qkv: Tensor, seq_len: int | None) -> Tensor:
+    """Lightning attention by state passing (Note [State passing]): this rank's tokens ``qkv [B,
+    S_local, H, 3 * D]`` as linear attention with the per-head log decay ``-slope`` at every
+    token (``ScalarDecayAttention``); ``[B, S_local, H, D]``. The same sum as the block loop:
+    ``o_i = sum_{j <= i} exp(-s (i - j)) (q_i . k_j) v_j``."""
+    q, k, v = torch.split(qkv, module.head_dim, dim=3)
+    decay = -module.slope_rate.reshape(1, 1, -1).to(qkv.dtype).expand(*qkv.shape[:3])
+    (out,), _ = state_passing(ScalarDecayAttention(chunk_size=module.block_size), [q, k, v, decay], state,
+                              seq_len=seq_len)
+    return out
+
+
+def _install_lightning(module: nn.Module, state: ParallelState, mixing: str) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
     _check_lightning(module)
@@ -103,6 +119,7 @@ def _install_lightning(module: nn.Module, state: ParallelState) -> None:
     apply_mask = inspect.unwrap(type(module).forward).__globals__.get("apply_mask_to_padding_states")
     if not callable(apply_mask):
         raise refuse_adapting(type(module), "its forward does not call apply_mask_to_padding_states")
+    chooser = ModeChooser(state, mixing)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         call = signature.bind(self, *args, **kwargs).arguments
@@ -112,15 +129,24 @@ def _install_lightning(module: nn.Module, state: ParallelState) -> None:
         heads, d = self.num_attention_heads, self.head_dim
         qkv = apply_mask(self.act_fn(self.qkv_proj(hidden_states)), attention_mask)  # token-wise
         qkv = qkv.reshape(batch, local, heads, 3 * d)
-        out = head_parallel(lambda shard, x: _lightning_blocks(self, shard, x), [qkv], state)
+        # head-parallel: q, k, v in and the output back; state passing: P [H] and b [H, D, D] per piece
+        per_token = batch * heads * 4 * d * qkv.element_size()
+        summary = heads * (d * d + 1) * torch.empty(0, dtype=summary_dtype(qkv)).element_size()
+        sp_bytes = (state.cp_size - 1) * pieces_per_rank(state) * batch * summary
+        mode, seq_len = chooser.pick(local, heads, per_token, sp_bytes, qkv.device)
+        if mode == STATE_PASSING:
+            out = _lightning_state_passing(self, state, qkv, seq_len)
+        else:
+            out = head_parallel(lambda shard, x: _lightning_blocks(self, shard, x), [qkv], state, seq_len=seq_len)
         out = self.norm(out.reshape(batch, local, heads * d))
         out = F.sigmoid(self.output_gate(hidden_states)) * out
         return self.out_proj(out), None  # no K^T V state: decoding with a cache is refused above
 
     set_forward(module, forward)
+    object.__setattr__(module, CHOOSER, chooser)
 
 
-register_adapter(_LIGHTNING)(_install_lightning)
+register_adapter(_LIGHTNING, modes=(HEAD_PARALLEL, STATE_PASSING))(_install_lightning)
 
 
 # --- Kimi delta attention -------------------------------------------------------------------------

@@ -14,6 +14,11 @@ The layer's own forward runs on the shard with ``causal_conv1d_fn`` rebound to t
 head-parallel conv (Note [Rebound kernels]); the gates and projections stay token-wise on the
 shard. A cache (``past_key_values``: the conv state) and packed batches are refused, on every
 rank alike (Note [Gated delta net on shards]). Read against transformers 5.23's modeling files.
+
+In state-passing mode (Note [Choosing the mixing mode]) the conv runs on the rank's own tokens
+with the ``K - 1`` globally preceding ones of each of its pieces gathered from the ranks that
+hold them (``causal_conv1d_halo``): a few tokens per piece, whatever the length. ``"auto"`` picks
+it whenever those are fewer bytes than the two all-to-alls, i.e. at all but the shortest shards.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ...mixing import HeadShard, head_parallel
+from ...mixing import HeadShard, causal_conv1d_halo, head_parallel
 from ...state import ParallelState
-from . import register_adapter
+from . import CHOOSER, register_adapter
 from .gated_delta import refuse_call, refuse_decode_kernel
+from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import original_kernels, rebind_forward, set_forward
 
 __all__: list[str] = []
@@ -40,11 +46,12 @@ _CONV = "causal_conv1d_fn"
 _PARAMETERS = ("self", "hidden_states", "past_key_values", "attention_mask")
 
 
-def _install(module: nn.Module, state: ParallelState) -> None:
+def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
     kernel = original_kernels(module, (_CONV,), _PARAMETERS)[_CONV]
     name = type(module).__name__
+    chooser = ModeChooser(state, mixing)
 
     def conv(hidden_states: Tensor, weight: Tensor, bias: Tensor | None = None,
              activation: str | None = None, **kwargs: Any) -> Tensor:
@@ -56,11 +63,19 @@ def _install(module: nn.Module, state: ParallelState) -> None:
                 "transformers 5.23. Run the model with cp_size 1, or report the version"
             )
 
+        batch, channels, local = hidden_states.shape
+        size = hidden_states.element_size()
+        halo = (state.cp_size - 1) * pieces_per_rank(state) * batch * (weight.shape[-1] - 1) * channels * size
+        mode, seq_len = chooser.pick(local, channels, batch * 2 * channels * size, halo, hidden_states.device)
+        if mode == STATE_PASSING:
+            return causal_conv1d_halo(hidden_states.transpose(1, 2), weight, bias, state, activation=activation,
+                                      seq_len=seq_len).transpose(1, 2)
+
         def mix(shard: HeadShard, x: Tensor) -> Tensor:  # x: [B, S, c], whole sequences
             b = None if bias is None else shard.narrow(bias)
             return kernel(x.transpose(1, 2), shard.narrow(weight), b, activation=activation).transpose(1, 2)
 
-        return head_parallel(mix, [hidden_states.transpose(1, 2)], state).transpose(1, 2)
+        return head_parallel(mix, [hidden_states.transpose(1, 2)], state, seq_len=seq_len).transpose(1, 2)
 
     update = "causal_conv1d_update"  # the cached one-token step
     rebound = rebind_forward(module, {_CONV: conv, update: refuse_decode_kernel(update)})
@@ -72,7 +87,8 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         return rebound(self, *args, **kwargs)
 
     set_forward(module, forward)
+    object.__setattr__(module, CHOOSER, chooser)
 
 
 for _qualname in _CLASSES:
-    register_adapter(_qualname)(_install)
+    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_install)
