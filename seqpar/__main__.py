@@ -39,6 +39,9 @@ def _add_info_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--ranks-per-node", type=int, default=None,
                        help="consecutive ranks per node (default: this machine's GPUs; without GPUs --world, "
                        "or 8 with --preset h100)")
+    shape.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                       help="GiB one rank may hold for one attention call: the recommended head_groups is the "
+                       "fewest predicted to fit (default: the lowest peak within 10%% of one group's time)")
     costs = shape.add_mutually_exclusive_group()
     costs.add_argument("--cost", metavar="PATH", help="a cost model saved by scripts/calibrate.py (JSON)")
     costs.add_argument("--preset", default=None,
@@ -98,6 +101,16 @@ def _state_arguments(candidate) -> str:
     return ", ".join(args)
 
 
+def _call_arguments(candidate) -> str:
+    """The ``seqpar.attention`` arguments the plan recommends for ``candidate`` beyond the state:
+    ``head_groups=G`` with its predicted peak and time against one group."""
+    from seqpar.planner.choose import _mib, _ms
+
+    one, rec = candidate.group(1), candidate.group(candidate.head_groups)
+    return (f"head_groups={rec.head_groups}: predicted {_mib(rec.memory_bytes)} per rank at {_ms(rec.time_s)}, "
+            f"against {_mib(one.memory_bytes)} at {_ms(one.time_s)} with one group")
+
+
 def _info(args: argparse.Namespace) -> int:
     import os
     import platform
@@ -129,6 +142,7 @@ def _info(args: argparse.Namespace) -> int:
             args.world, seq_len=args.seq_len, num_heads=args.heads, num_kv_heads=args.kv_heads,
             head_dim=args.head_dim, causal=args.causal, dtype=getattr(torch, args.dtype),
             ranks_per_node=args.ranks_per_node, batch=args.batch, window=tuple(args.window), cost=cost,
+            memory_budget=None if args.memory_budget is None else max(1, round(args.memory_budget * 2**30)),
         )
     except (ValueError, OSError) as e:
         print(f"python -m seqpar info: {e}", file=sys.stderr)
@@ -138,6 +152,9 @@ def _info(args: argparse.Namespace) -> int:
     if choice.tied:  # never the chosen candidate itself; the same split by another transport may be
         print(f"  predicted within {TIE_RTOL:.0%} of it (closer than the cost model can tell apart; measure if it "
               f"matters): " + "; ".join(f"ParallelState({_state_arguments(c)})" for c in choice.tied))
+    if choice.head_groups != 1:  # a call option, not the state's: every attention call passes it
+        print(f"  and call seqpar.attention(..., {_call_arguments(choice.chosen)}) "
+              f"(head_groups='auto' applies the same rule, without a budget, to each call's shapes)")
     for note in notes:
         print(f"  shape from this machine: {note}")
     print(choice)

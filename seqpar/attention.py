@@ -228,7 +228,9 @@ def _apply(call: PreparedCall, sinks: Tensor | None) -> Tensor:
 # that group. Under ``torch.compile`` the groups are G operators
 # joined by a cat (exact; the one-node memory is the eager call's). Groups smaller than the
 # Ulysses size leave ranks without a head in that group: choose ``G <= H / ulysses_size`` for
-# balanced work.
+# balanced work. ``head_groups="auto"`` is the planner's count for the call's shapes (Note [Planner
+# head groups] in ``seqpar/planner/predict.py``), resolved once the call's checks have made the
+# ranks agree on those shapes: host maths, the same on every rank, no collective of its own.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -381,6 +383,36 @@ def _compiled_groups(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, alib
     return torch.cat(outs, 2)
 
 
+def _resolved_groups(
+    head_groups: int | str, state: ParallelState, q: Tensor, k: Tensor, seq_len: int | None, causal: bool,
+    window: tuple[int, int], where: str,
+) -> int:
+    """``head_groups`` with ``"auto"`` resolved (Note [Head groups]) from the call's bshd ``q``, ``k``,
+    its global length and mask and ``state``'s sizes: ``seqpar.planner.auto_head_groups``, host
+    maths of what every rank has agreed on (the call's checks exchange the shapes), so no
+    collective. ``seq_len``: the call's global token count (a packed call's total).
+
+    Raises:
+        ValueError: ``"auto"`` under ``torch.compile`` (the planner's host maths is not traced).
+    """
+    if head_groups != "auto":
+        return head_groups
+    if torch.compiler.is_compiling() or seq_len is None:
+        raise ValueError(
+            f"{where}: head_groups='auto' is resolved by the planner's host maths, which torch.compile does "
+            "not trace; pass the count it gives, computed outside the compiled function: "
+            "seqpar.planner.auto_head_groups(seq_len, H, Hkv, D, ring_size, ulysses_size, batch=..., causal=..., "
+            "window=..., dtype=..., device_type=...)"
+        )
+    from .planner import auto_head_groups
+
+    return auto_head_groups(
+        seq_len, q.shape[2], k.shape[2], q.shape[3], state.ring_size, state.ulysses_size, batch=q.shape[0],
+        causal=causal, window=tuple(window), dtype=q.dtype, device_type=q.device.type, ring_comm=state.ring_comm,
+        keep_head_shards=state.keep_head_shards,
+    )
+
+
 def _check_group_count(H: int, head_groups: int, where: str) -> None:
     """Raise unless ``head_groups`` groups of the ``H`` query heads each get at least one."""
     if head_groups > H:
@@ -452,7 +484,9 @@ def attention(
         head_groups: ``G >= 1``: run the call over ``G`` contiguous groups of query heads one
             after the other (``split_sizes(nheads, G)`` heads each), so that the all-to-all
             buffers and the kernels' working set are one group's (Note [Head groups]); the
-            result is the same. ``1`` (default): all heads at once. The same on every rank.
+            result is the same. ``1`` (default): all heads at once. ``"auto"``: the planner's
+            count for the call's shapes (``seqpar.planner.auto_head_groups``; eager calls only).
+            The same on every rank.
 
     Returns:
         This rank's output shard in ``layout``, with q's shape and dtype except for the last dim,
@@ -484,8 +518,8 @@ def attention(
             )
 
         where = "seqpar.attention"
-        check_head_groups(head_groups, where)
-        return to_bshd(_compiled_groups(qb, kb, vb, sinks, alibi_slopes, head_groups, run, where), layout)
+        groups = _resolved_groups(check_head_groups(head_groups, where), state, qb, kb, None, causal, window, where)
+        return to_bshd(_compiled_groups(qb, kb, vb, sinks, alibi_slopes, groups, run, where), layout)
     if torch.compiler.is_compiling():  # one opaque custom op (Note [torch.compile] in seqpar.compiled)
         from .compiled import compiled_attention
 
@@ -501,7 +535,9 @@ def attention(
         head_groups=head_groups,
     )
     call = prepare_dense(q, k, v, state, options, backend, sinks, alibi_slopes=alibi_slopes)
-    return to_bshd(_apply_groups(call, sinks, options.head_groups, "seqpar.attention"), layout)
+    groups = _resolved_groups(options.head_groups, state, call.qb, call.kb, call.seq_lens[0], options.causal,
+                              options.window, "seqpar.attention")
+    return to_bshd(_apply_groups(call, sinks, groups, "seqpar.attention"), layout)
 
 
 def varlen_attention(
@@ -580,8 +616,9 @@ def varlen_attention(
             )[None]
 
         where = "seqpar.varlen_attention"
-        check_head_groups(head_groups, where)
-        return _compiled_groups(q[None], k[None], v[None], sinks, None, head_groups, run, where)[0]
+        groups = _resolved_groups(check_head_groups(head_groups, where), state, q[None], k[None], None, causal, window,
+                                  where)
+        return _compiled_groups(q[None], k[None], v[None], sinks, None, groups, run, where)[0]
     if torch.compiler.is_compiling():  # one opaque custom op (Note [torch.compile] in seqpar.compiled)
         from .compiled import compiled_varlen_attention
 
@@ -593,7 +630,10 @@ def varlen_attention(
         q, k, v, state, seq_lens, causal=causal, softmax_scale=softmax_scale, backend=backend,
         window=window, softcap=softcap, sinks=sinks, chunk_size=chunk_size, head_groups=head_groups,
     )
-    return _apply_groups(call, sinks, head_groups, "seqpar.varlen_attention")[0]
+    where = "seqpar.varlen_attention"
+    groups = _resolved_groups(check_head_groups(head_groups, where), state, call.qb, call.kb, sum(call.seq_lens),
+                              causal, window, where)
+    return _apply_groups(call, sinks, groups, where)[0]
 
 
 class SequenceParallelAttention(nn.Module):

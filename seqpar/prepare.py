@@ -107,7 +107,7 @@ class DenseOptions:
     suffix: int
     seq_len: int | None
     slices: MaskSlices | None = None
-    head_groups: int = 1
+    head_groups: int | str = 1
 
 
 def check_dense_options(
@@ -140,10 +140,19 @@ def check_dense_options(
     )
 
 
-def check_head_groups(head_groups: object, where: str) -> int:
-    """``head_groups`` as an int >= 1 (whether the call has that many query heads is checked
-    once the ranks agree on the shapes: ``seqpar.attention``'s Note [Head groups])."""
-    return as_int(head_groups, "head_groups (1: all heads in one exchange)", where, minimum=1)
+def check_head_groups(head_groups: object, where: str) -> int | str:
+    """``head_groups`` as an int >= 1, or ``"auto"`` (resolved from the call's shapes once the
+    ranks agree on them; whether the call has that many query heads is checked then too:
+    ``seqpar.attention``'s Note [Head groups])."""
+    if isinstance(head_groups, str) and head_groups == "auto":
+        return "auto"
+    return as_int(head_groups, "head_groups (1: all heads in one exchange; or 'auto')", where, minimum=1)
+
+
+def _head_groups_code(head_groups: int | str) -> int:
+    """``head_groups`` in a call's signature: the count, 0 for ``"auto"`` (which every rank then
+    resolves from the same agreed shapes)."""
+    return 0 if head_groups == "auto" else head_groups
 
 
 @dataclass(frozen=True, eq=False)
@@ -404,13 +413,13 @@ def prepare_dense(
             B, H, Hkv, D, vb.shape[-1], _DTYPE_CODES.get(q.dtype, 0), int(o.causal), *o.window,
             -1 if o.chunk_size is None else o.chunk_size, o.prefix, o.suffix, int(sinks is not None),
             _bits(scale), _bits(o.softcap), LAYOUTS.index(o.layout), -1 if o.seq_len is None else o.seq_len,
-            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), o.head_groups,
+            -1 if o.slices is None else o.slices.digest(), _slopes_digest(slopes), _head_groups_code(o.head_groups),
             _ring_comm_code(state),
         ]
 
     names = (
         "(B, H, Hkv, D, Dv, dtype, causal, window, chunk_size, prefix, suffix, sinks, scale, softcap, layout, "
-        f"seq_len, mask slices hash, ALiBi slopes hash, head_groups, ring_comm {_RING_COMM_NAMES})"
+        f"seq_len, mask slices hash, ALiBi slopes hash, head_groups (0: 'auto'), ring_comm {_RING_COMM_NAMES})"
     )
     mask = Mask(o.causal, o.window, o.chunk_size, o.slices, slopes is not None)
     body = S - o.prefix - o.suffix
@@ -479,12 +488,12 @@ def prepare_varlen(
         return [
             *_seq_lens_digest(lens), H, Hkv, D, v.shape[-1], _DTYPE_CODES.get(q.dtype, 0),
             int(causal), *window, -1 if chunk_size is None else chunk_size, int(sinks is not None),
-            _bits(scale), _bits(softcap), head_groups, _ring_comm_code(state),
+            _bits(scale), _bits(softcap), _head_groups_code(head_groups), _ring_comm_code(state),
         ]
 
     names = (
         "(seq_lens fingerprint: count, sum, hash x2; H, Hkv, D, Dv, dtype, causal, window, chunk_size, sinks, "
-        f"scale, softcap, head_groups, ring_comm {_RING_COMM_NAMES})"
+        f"scale, softcap, head_groups (0: 'auto'), ring_comm {_RING_COMM_NAMES})"
     )
     if collective_checks(state, q.device, lengths_known=True):
         got = _exchange_lengths(T, 0, signature, names, state, q.device, where)

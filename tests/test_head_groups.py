@@ -134,7 +134,7 @@ def test_head_groups_single_rank_and_one_group_is_unchanged():
         assert _err(out.transpose(*dims), ref) <= _TOL, layout
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "auto"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "Auto", "all"])
 def test_head_groups_bad_values_raise(bad):
     q = torch.randn(1, 5, 4, 8)
     with pytest.raises(ValueError, match="head_groups"):
@@ -253,3 +253,156 @@ def _rank_compiled() -> float:
 def test_compiled_head_groups_match_eager(pools):
     for rank, diff in enumerate(pools(2).run(_rank_compiled)):
         assert diff < 1e-12, f"rank {rank}: compiled and eager differ by {diff:.3g}"
+
+
+# --- head_groups="auto" and the planner's head groups (issue #46) ------------------------------
+
+
+def _rank_auto(shapes) -> list[tuple[str, int, float, bool]]:
+    """Per (R, U, S, H, Hkv, D, B, causal): the count "auto" resolves to here, the float64 error of
+    the auto call (output and q, k, v gradients) against the single-device reference, and whether
+    it is bitwise the call with that count given explicitly. Dense then packed."""
+    from seqpar.planner import auto_head_groups
+
+    out = []
+    for R, U, S, H, Hkv, D, B, causal in shapes:
+        state = ParallelState(R, U)
+        gen = torch.Generator().manual_seed(S + H)
+        q, k, v, dout = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv, H))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = reference_attention(*leaves, causal=causal)
+        ref_grads = torch.autograd.grad(ref, leaves, dout)
+        G = auto_head_groups(S, H, Hkv, D, R, U, batch=B, causal=causal, dtype=torch.float64, device_type="cpu")
+        runs = []
+        for groups in ("auto", G):
+            mine = [seqpar.shard(t, state).requires_grad_() for t in (q, k, v)]
+            o = seqpar.attention(*mine, state, causal=causal, head_groups=groups, backend="cpu")  # seq_len found
+            runs.append([o, *torch.autograd.grad(o, mine, seqpar.shard(dout, state))])
+        err = max(_err(a, seqpar.shard(r, state)) for a, r in zip(runs[0], [ref, *ref_grads]))
+        same = all(torch.equal(a, b) for a, b in zip(*runs))
+        out.append((f"{R}x{U} S={S} {H}h/{Hkv}kv D={D} B={B}", G, err, same))
+        lens = [S // 3, S - S // 3]  # packed: predicted as one sequence of all its tokens
+        Gp = auto_head_groups(S, H, Hkv, D, R, U, causal=causal, dtype=torch.float64, device_type="cpu")
+        packed = [seqpar.shard_packed(t[0], state, lens) for t in (q, k, v)]
+        auto = seqpar.varlen_attention(*packed, state, lens, causal=causal, head_groups="auto", backend="cpu")
+        given = seqpar.varlen_attention(*packed, state, lens, causal=causal, head_groups=Gp, backend="cpu")
+        out.append((f"{R}x{U} packed {lens}", Gp, 0.0, torch.equal(auto, given)))
+        state.close()
+    return out
+
+
+_AUTO_QUICK = [(1, 2, 37, 6, 2, 8, 2, True), (2, 1, 29, 8, 2, 4, 1, False)]
+# Large enough that the cpu preset's per-group latencies cost under 10%: "auto" resolves to 2 groups.
+_AUTO_GROUPS = [(1, 2, 2048, 8, 4, 16, 4, False), (2, 1, 2048, 8, 4, 16, 4, False)]
+
+
+def _check_auto(per_rank, want_groups=None) -> None:
+    first = per_rank[0]
+    for rank, results in enumerate(per_rank):
+        assert [r[:2] for r in results] == [r[:2] for r in first], f"rank {rank} resolved other counts"
+        for name, G, err, same in results:
+            assert err <= _TOL, f"rank {rank}: {name}: auto (G={G}) error {err:.3g}"
+            assert same, f"rank {rank}: {name}: auto is not the call with head_groups={G}"
+            if want_groups is not None and "packed" not in name:
+                assert G == want_groups, (name, G)
+
+
+def test_head_groups_auto_world2_quick(pools):
+    """head_groups="auto" on 2 ranks (1 x 2, 2 x 1; uneven local lengths): exact in float64, the same
+    count on every rank with no extra collective, bitwise the call with that count; packed too."""
+    _check_auto(pools(2).run(_rank_auto, _AUTO_QUICK))
+
+
+@pytest.mark.slow
+def test_head_groups_auto_world2_groups(pools):
+    """A shape where "auto" runs 2 groups on both splits: exact, the same on both ranks."""
+    _check_auto(pools(2).run(_rank_auto, _AUTO_GROUPS), want_groups=2)
+
+
+def _rank_auto_disagree() -> str:
+    """Rank 0 passes "auto", rank 1 the count it resolves to: the call's signature differs."""
+    state = ParallelState(1, dist.get_world_size())
+    q = seqpar.shard(torch.randn(1, 9, 4, 4), state)
+    try:
+        seqpar.attention(q, q, q, state, head_groups="auto" if dist.get_rank() == 0 else 1)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    state.close()
+    return error
+
+
+def test_head_groups_auto_and_a_count_disagree_on_every_rank(pools):
+    for rank, error in enumerate(pools(2).run(_rank_auto_disagree)):
+        assert "disagree" in error and "head_groups (0: 'auto')" in error, (rank, error)
+
+
+def test_plan_predicts_head_groups_and_recommends_by_the_rule():
+    """Every candidate of a plan of up to 64 ranks carries one prediction per count 1, 2, 4, ...
+    H / U (one group: the candidate's own figures); the recommendation follows the documented rule,
+    with and without a memory budget; the chosen one's head_groups is the plan's."""
+    from seqpar.planner import HEAD_GROUPS_RTOL, CostModel, plan
+
+    shape = dict(seq_len=8192, num_heads=12, num_kv_heads=4, head_dim=64, dtype=torch.float32, ranks_per_node=4,
+                 cost=CostModel.preset("cpu"))
+    p = plan(4, **shape)
+    for c in p.candidates:
+        H, U = 12, c.ulysses_size
+        assert [g.head_groups for g in c.groups] == [n for n in (1, 2, 4, 8) if n <= H // U], c.label()
+        assert (c.group(1).time_s, c.group(1).memory_bytes) == (c.time_s, c.memory_bytes)
+        assert all(g.time_s > c.time_s for g in c.groups[1:]), c.label()  # groups cost time
+        near = [g for g in c.groups if g.time_s <= c.time_s * (1 + HEAD_GROUPS_RTOL)]
+        assert c.head_groups == min(near, key=lambda g: (g.memory_bytes, g.head_groups)).head_groups
+    assert p.head_groups == p.chosen.head_groups
+    assert any(c.head_groups > 1 for c in p.candidates)  # at 8192 tokens groups pay on the cpu preset
+    assert f"head_groups={p.head_groups}" in p.explanation and "head groups (per call)" in str(p)
+    # With a budget: the fewest groups that fit it; none fits: the lowest peak.
+    peaks = sorted({g.memory_bytes for g in p.chosen.groups})
+    for budget in (peaks[0], peaks[-1], (peaks[0] + peaks[1]) // 2, peaks[0] - 1):
+        b = plan(4, **shape, memory_budget=budget).chosen
+        fits = [g.head_groups for g in b.groups if g.memory_bytes <= budget]
+        lowest = min(b.groups, key=lambda g: (g.memory_bytes, g.head_groups)).head_groups
+        assert b.head_groups == (min(fits) if fits else lowest), (budget, b.groups)
+    only = plan(4, **shape, predict_groups=False)
+    assert [c for c in only.candidates if c.groups] == [only.chosen]
+    for bad in (dict(memory_budget=0), dict(memory_budget=1.5), dict(predict_groups="yes")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            plan(4, **shape, **bad)
+
+
+def _rank_group_peaks(shapes) -> list[tuple[str, int, int]]:
+    """One dense call's measured peak (its q, k, v, dout included) per candidate and group count of
+    a 2-rank plan, next to the planner's prediction."""
+    from seqpar.planner import CostModel, plan
+    from seqpar.tools.profiling import StorageTracker
+
+    out = []
+    for S, H, Hkv, D, causal in shapes:
+        p = plan(2, seq_len=S, num_heads=H, num_kv_heads=Hkv, head_dim=D, causal=causal, dtype=torch.float32,
+                 ranks_per_node=2, cost=CostModel.preset("cpu"), ring_comm="p2p")
+        for c in p.candidates:
+            state = ParallelState(c.ring_size, c.ulysses_size)
+            gen = torch.Generator().manual_seed(0)
+            q, k, v, dout = (seqpar.shard(torch.randn(1, S, h, D, generator=gen), state).contiguous()
+                             for h in (H, Hkv, Hkv, H))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            for g in c.groups:
+                for _ in range(2):  # the first call warms plans and caches
+                    with StorageTracker() as mem:
+                        seqpar.attention(q, k, v, state, causal=causal, seq_len=S, head_groups=g.head_groups,
+                                         backend="cpu").backward(dout)
+                    q.grad = k.grad = v.grad = None
+                held = sum(t.numel() * t.element_size() for t in (q, k, v, dout))
+                out.append((f"{c.label()} S={S} {H}h/{Hkv}kv G={g.head_groups}", g.memory_bytes, mem.peak + held))
+            state.close()
+    return out
+
+
+def test_planner_head_group_peaks_follow_the_measured_ones(pools):
+    """The planner's single-call peak per head-group count is the busiest rank's measured one
+    within a few percent (1 x 2 and 2 x 1; kernel scratch is not counted)."""
+    per_rank = pools(2).run(_rank_group_peaks, [(1024, 8, 2, 16, True), (777, 6, 3, 16, False)])
+    for rows in zip(*per_rank):
+        label, estimate = rows[0][:2]
+        measured = max(m for _, _, m in rows)
+        assert 0.9 <= estimate / measured <= 1.1, (label, estimate, measured)

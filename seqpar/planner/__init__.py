@@ -11,7 +11,8 @@
   model]), presets and JSON;
 - :mod:`.predict`: one factorisation's bytes, memory, balance and time from the exact placement
   and ring plan (Note [Planner prediction]);
-- :mod:`.choose`: :func:`plan` and :class:`DegreePlan`;
+- :mod:`.choose`: :func:`plan` and :class:`DegreePlan`; the recommended ``head_groups``
+  (:func:`recommend_head_groups`, :func:`auto_head_groups` for ``head_groups="auto"``);
 - :mod:`.memory`: :func:`longest_context` and :class:`ModelShape`, the whole model's memory per
   rank and the longest context that fits (Note [Memory model]);
 - :func:`calibrate`: the measurements (Note [Planner calibration] in
@@ -24,10 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .choose import TIE_RTOL, DegreePlan, plan
+from .choose import HEAD_GROUPS_RTOL, TIE_RTOL, DegreePlan, auto_head_groups, plan, recommend_head_groups
 from .cost import PRESETS, CostModel, KernelRates, Link
 from .memory import CPU_CALIBRATION, GPU_CALIBRATION, Calibration, MemoryPrediction, ModelShape, longest_context
-from .predict import Candidate, Shape, predict
+from .predict import Candidate, GroupPrediction, Shape, predict
 
 if TYPE_CHECKING:
     from ..state import ParallelState
@@ -43,6 +44,10 @@ __all__ = [
     "Link",
     "PRESETS",
     "TIE_RTOL",
+    "HEAD_GROUPS_RTOL",
+    "GroupPrediction",
+    "recommend_head_groups",
+    "auto_head_groups",
     "calibrate",
     "longest_context",
     "ModelShape",

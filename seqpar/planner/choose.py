@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
@@ -13,15 +14,43 @@ from ..placement import Mask
 from ..placement.sizes import as_int
 from ..state import ParallelState, RingComm
 from .cost import CostModel
-from .predict import Candidate, Shape, predict
+from .predict import Candidate, GroupPrediction, Shape, predict, predict_head_groups
 
-__all__ = ["DegreePlan", "plan", "TIE_RTOL"]
+__all__ = ["DegreePlan", "plan", "TIE_RTOL", "HEAD_GROUPS_RTOL", "GROUPS_FOR_EVERY_CANDIDATE", "recommend_head_groups",
+           "auto_head_groups"]
 
 # Predicted times closer than this (relative) are a tie: the cost model is not that accurate
 # (measured choices are checked to within 10% in tests/test_planner.py), so 205 ms against 206 ms
 # says nothing about which split is faster.
 TIE_RTOL = 0.02
 RING_COMMS = ("auto", *get_args(RingComm))
+
+# Without a memory budget, more head groups are recommended only while they cost at most this much
+# predicted time over one group (Note [Planner head groups] in seqpar/planner/predict.py).
+HEAD_GROUPS_RTOL = 0.10
+# Up to this many ranks a plan predicts head groups for every candidate; above, for the chosen one
+# (each group count costs about one more prediction, seconds at cp_size 1024).
+GROUPS_FOR_EVERY_CANDIDATE = 64
+
+
+def recommend_head_groups(groups: tuple[GroupPrediction, ...], memory_budget: int | None = None) -> int:
+    """The ``head_groups`` to run with, from one split's predictions (``Candidate.groups``).
+
+    With ``memory_budget`` (bytes one rank may hold for the call): the smallest count whose
+    predicted peak fits it, else (none fits) the count with the lowest peak. Without: the count
+    with the lowest peak among those predicted within ``HEAD_GROUPS_RTOL`` (10%) of one group's
+    time (ties: fewer groups). 1 when ``groups`` is empty.
+    """
+    if not groups:
+        return 1
+    if memory_budget is not None:
+        fits = [g for g in groups if g.memory_bytes <= memory_budget]
+        if fits:
+            return min(fits, key=lambda g: g.head_groups).head_groups
+        return min(groups, key=lambda g: (g.memory_bytes, g.head_groups)).head_groups
+    one = next((g for g in groups if g.head_groups == 1), groups[0])
+    near = [g for g in groups if g.time_s <= one.time_s * (1 + HEAD_GROUPS_RTOL)]
+    return min(near, key=lambda g: (g.memory_bytes, g.head_groups)).head_groups
 
 
 def _mib(nbytes: float) -> str:
@@ -51,6 +80,8 @@ class DegreePlan:
             by increasing ring size.
         chosen: the candidate with the lowest predicted time (ties: less memory).
         explanation: one paragraph saying why.
+        memory_budget: the bytes per rank the recommended ``head_groups`` were chosen to fit
+            (:func:`recommend_head_groups`), or None.
     """
 
     cp_size: int
@@ -60,6 +91,7 @@ class DegreePlan:
     candidates: tuple[Candidate, ...]
     chosen: Candidate
     explanation: str
+    memory_budget: int | None = None
 
     @property
     def ring_size(self) -> int:
@@ -76,6 +108,12 @@ class DegreePlan:
         """The chosen K/V transport, ``"p2p"``, ``"p2p_serial"`` or ``"allgather"``
         (``ParallelState(ring_comm=...)``)."""
         return self.chosen.ring_comm
+
+    @property
+    def head_groups(self) -> int:
+        """The recommended ``head_groups`` of the chosen candidate (``seqpar.attention(...,
+        head_groups=G)``; Note [Planner head groups])."""
+        return self.chosen.head_groups
 
     @property
     def tied(self) -> tuple[Candidate, ...]:
@@ -126,11 +164,32 @@ class DegreePlan:
                 f"{c.imbalance:.3f}",
                 "-".join(str(h) for h in reversed(heads)),
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+        return _aligned(rows)
+
+    def groups_table(self) -> str:
+        """Per candidate with head-group predictions, the predicted time and peak per group count
+        (``G1``, ``G2``, ...), the recommended one marked ``*``; empty when none has them."""
+        cands = [c for c in self.candidates if c.groups]
+        if not cands:
+            return ""
+        counts = sorted({g.head_groups for c in cands for g in c.groups})
+        rows = [("ring x ulysses", "K/V by", *(f"G{n}: time, memory" for n in counts))]
+        for c in cands:
+            cells = {g.head_groups: f"{'*' if g.head_groups == c.head_groups else ''}{_ms(g.time_s)}, "
+                                    f"{_mib(g.memory_bytes)}" for g in c.groups}
+            rows.append((f"{c.ring_size} x {c.ulysses_size}", "-" if c.ring_size == 1 else c.ring_comm,
+                         *(cells.get(n, "-") for n in counts)))
+        return _aligned(rows)
 
     def __str__(self) -> str:
-        return f"{self.table()}\n\n{self.explanation}"
+        groups = self.groups_table()
+        return f"{self.table()}\n\n{self.explanation}" + (f"\n\nhead groups (per call):\n{groups}" if groups else "")
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> str:
+    """Rows of cells as right-aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def _transfers(c: Candidate) -> str:
@@ -267,6 +326,8 @@ def plan(
     cost: CostModel | None = None,
     ring_comm: str = "auto",
     keep_head_shards: bool = False,
+    memory_budget: int | None = None,
+    predict_groups: bool | None = None,
 ) -> DegreePlan:
     """Choose the ring and Ulysses sizes of a CP group for one attention layer shape.
 
@@ -297,16 +358,27 @@ def plan(
         keep_head_shards: predict (and build, ``.state()``) with the Ulysses head shards kept for
             the backward (``ParallelState(keep_head_shards=True)``): less all-to-all traffic, the
             shard's q, k, v no longer held, the head shards kept per layer instead.
+        memory_budget: bytes one rank may hold for one attention call (its peak as
+            ``Candidate.memory_bytes`` counts it); the recommended ``head_groups`` is then the
+            smallest count predicted to fit (:func:`recommend_head_groups`). ``None``: the count
+            with the lowest peak within ``HEAD_GROUPS_RTOL`` (10%) of one group's time. The
+            split is chosen as without it, by one group's time.
+        predict_groups: predict ``head_groups`` 1, 2, 4, ... up to ``H / U`` (Note [Planner head
+            groups]) for every candidate (``True``), for the chosen one only (``False``), or
+            (``None``) for every candidate up to ``GROUPS_FOR_EVERY_CANDIDATE`` (64) ranks and
+            the chosen one above: each count costs about one more prediction.
 
     Returns:
         A :class:`DegreePlan`: ``.ring_size``, ``.ulysses_size``, ``.ring_comm``, every
-        candidate's bytes, memory, balance and time, ``.explanation``, and ``.state(group)`` to
-        build the state.
+        candidate's bytes, memory, balance and time (and ``.groups``, ``.head_groups``: per
+        head-group count, and the recommended one), ``.head_groups`` of the chosen one,
+        ``.explanation``, and ``.state(group)`` to build the state.
 
     Raises:
         ValueError: a non-positive or non-int size, ``H`` not a multiple of ``Hkv``, a bad window,
-            a non-floating dtype, a cost that is not a ``CostModel``, an unknown ``ring_comm`` or
-            a ``keep_head_shards`` that is not a bool.
+            a non-floating dtype, a cost that is not a ``CostModel``, an unknown ``ring_comm``, a
+            ``keep_head_shards`` or ``predict_groups`` that is not a bool, a non-positive
+            ``memory_budget``.
     """
     where = "seqpar.plan"
     cp_size = as_int(cp_size, "cp_size", where, minimum=1)
@@ -324,6 +396,10 @@ def plan(
         raise ValueError(f"{where}: ring_comm must be one of {list(RING_COMMS)}, got {ring_comm!r}")
     if not isinstance(keep_head_shards, bool):
         raise ValueError(f"{where}: keep_head_shards must be True or False, got {keep_head_shards!r}")
+    if predict_groups is not None and not isinstance(predict_groups, bool):
+        raise ValueError(f"{where}: predict_groups must be True, False or None, got {predict_groups!r}")
+    if memory_budget is not None:
+        memory_budget = as_int(memory_budget, "memory_budget (bytes per rank for one attention call)", where, minimum=1)
     if cost is None:
         cost = CostModel.preset("h100")
     if not isinstance(cost, CostModel):
@@ -346,8 +422,64 @@ def plan(
     if best.ring_size > 1 and best.ring_comm == "p2p":  # what the same split holds without overlap
         serial = predict(shape, best.ring_size, best.ulysses_size, ranks_per_node, cost, "p2p_serial",
                          keep_head_shards)
-    return DegreePlan(
-        cp_size, ranks_per_node, shape, cost, tuple(cands), best,
-        _explain(shape, cp_size, ranks_per_node, cost, cands, best, serial),
-    )
+    explanation = _explain(shape, cp_size, ranks_per_node, cost, cands, best, serial)
+    every = predict_groups if predict_groups is not None else cp_size <= GROUPS_FOR_EVERY_CANDIDATE
+    for i, c in enumerate(cands):
+        if every or c is best:
+            groups = predict_head_groups(shape, c, ranks_per_node, cost)
+            cands[i] = replace(c, groups=groups, head_groups=recommend_head_groups(groups, memory_budget))
+            best = cands[i] if c is best else best
+    explanation += _explain_groups(best, memory_budget)
+    return DegreePlan(cp_size, ranks_per_node, shape, cost, tuple(cands), best, explanation, memory_budget)
 
+
+def _explain_groups(best: Candidate, memory_budget: int | None) -> str:
+    """The explanation's sentence on the chosen split's head groups (Note [Planner head groups])."""
+    if len(best.groups) < 2:
+        return ""
+    one, rec = best.group(1), best.group(best.head_groups)
+    budget = "" if memory_budget is None else f" (memory budget {_mib(memory_budget)} per rank)"
+    if memory_budget is not None and rec.memory_bytes > memory_budget:
+        return (f" No head-group count fits the memory budget of {_mib(memory_budget)} per rank with {best.label()}: "
+                f"the fewest bytes are {_mib(rec.memory_bytes)} at head_groups={rec.head_groups}.")
+    if rec.head_groups == 1:
+        lowest = min(best.groups, key=lambda g: (g.memory_bytes, g.head_groups))
+        why = (f"{_mib(one.memory_bytes)} fits the budget" if memory_budget is not None else
+               f"more groups hold at least {_mib(lowest.memory_bytes)} but cost more than "
+               f"{HEAD_GROUPS_RTOL:.0%} more time ({_ms(lowest.time_s)} at head_groups={lowest.head_groups})")
+        return f" Head groups: one group (all heads at once){budget}: {why}."
+    return (f" Head groups: seqpar.attention(..., head_groups={rec.head_groups}){budget} is predicted to hold "
+            f"{_mib(rec.memory_bytes)} per rank instead of {_mib(one.memory_bytes)}, at {_ms(rec.time_s)} against "
+            f"{_ms(one.time_s)} for one group.")
+
+
+
+def auto_head_groups(
+    seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, ring_size: int, ulysses_size: int, *,
+    batch: int = 1, causal: bool = False, window: tuple[int, int] = (-1, -1), dtype: torch.dtype = torch.bfloat16,
+    device_type: str = "cuda", ring_comm: str = "p2p", keep_head_shards: bool = False,
+) -> int:
+    """What ``head_groups="auto"`` runs for a call of this shape on a ring x Ulysses state: the
+    planner's rule without a memory budget (:func:`recommend_head_groups`: the lowest predicted
+    peak within ``HEAD_GROUPS_RTOL`` of one group's time), predicted with the ``cpu`` cost preset
+    on a CPU and the ``h100`` preset on any other device, the CP group taken as one node.
+
+    Host maths of the call's shapes alone, no device query and no communication: every rank that
+    agrees on the call (the call's checks exchange its shapes) resolves the same count. Cached per
+    shape; a packed call passes its total tokens as ``seq_len``.
+    """
+    return _auto_head_groups(seq_len, num_heads, num_kv_heads, head_dim, ring_size, ulysses_size, batch, causal,
+                             tuple(window), dtype, device_type, ring_comm, keep_head_shards)
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_head_groups(
+    seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, R: int, U: int, batch: int, causal: bool,
+    window: tuple[int, int], dtype: torch.dtype, device_type: str, ring_comm: str, keep_head_shards: bool,
+) -> int:
+    shape = Shape(seq_len, num_heads, num_kv_heads, head_dim, batch, causal, window,
+                  torch.empty((), dtype=dtype).element_size())
+    cost = CostModel.preset("cpu" if device_type == "cpu" else "h100")
+    comm = ring_comm if R > 1 else "p2p"
+    one = predict(shape, R, U, R * U, cost, comm, keep_head_shards and U > 1)
+    return recommend_head_groups(predict_head_groups(shape, one, R * U, cost))

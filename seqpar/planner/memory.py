@@ -99,7 +99,7 @@ import torch
 from ..tiled import default_chunk_size
 
 __all__ = ["ModelShape", "Calibration", "CPU_CALIBRATION", "GPU_CALIBRATION", "split_kind", "Moment", "MemoryPrediction",
-           "longest_context", "calibrate_from_fit"]
+           "longest_context", "calibrate_from_fit", "group_shapes"]
 
 GiB = 2**30
 
@@ -424,24 +424,34 @@ def _kept_head_shards(model: ModelShape, ulysses: int) -> int:
     return model.element_size * (ulysses * (2 * h + 2 * kv) - model.heads - 2 * model.kv_heads) * model.head_dim
 
 
-def _group_heads(model: ModelShape, ulysses: int, head_groups: int) -> tuple[int, int]:
-    """The busiest rank's query heads and kernel K/V heads in the largest of ``head_groups``
-    groups of query heads (Note [Head groups] in ``seqpar/attention.py``: each group carries the
-    K/V heads its query heads read, one per query head where they read them unevenly)."""
-    from ..placement.heads import head_assignments
+def group_shapes(num_heads: int, num_kv_heads: int, head_groups: int) -> list[tuple[int, int, bool]]:
+    """Each of ``head_groups`` groups of query heads as ``seqpar.attention`` runs it (Note [Head
+    groups] in ``seqpar/attention.py``): ``(query heads, K/V heads, expanded)``, the query heads by
+    ``split_sizes(H, G)``; a group carries the K/V heads its query heads read, or one K/V head per
+    query head (``expanded``) where they read them unevenly. The memory model and the planner
+    (``seqpar.planner.predict``) both count groups from this list."""
     from ..placement.sizes import split_sizes
 
-    H, Hkv = model.heads, model.kv_heads
-    if head_groups == 1:
-        return _ulysses_heads(model, ulysses) if ulysses > 1 else (H, Hkv)
-    rep, start, h, kv = H // Hkv, 0, 0, 0
-    for size in split_sizes(H, head_groups):
+    rep, start, shapes = num_heads // num_kv_heads, 0, []
+    for size in split_sizes(num_heads, head_groups):
         reads = [q // rep for q in range(start, start + size)]
-        counts = {reads.count(j) for j in set(reads)}
-        n_kv = len(set(reads)) if len(counts) == 1 else size
+        even = len({reads.count(j) for j in set(reads)}) == 1
+        shapes.append((size, len(set(reads)) if even else size, not even))
+        start += size
+    return shapes
+
+
+def _group_heads(model: ModelShape, ulysses: int, head_groups: int) -> tuple[int, int]:
+    """The busiest rank's query heads and kernel K/V heads in the largest of ``head_groups``
+    groups of query heads (:func:`group_shapes`)."""
+    from ..placement.heads import head_assignments
+
+    if head_groups == 1:
+        return _ulysses_heads(model, ulysses) if ulysses > 1 else (model.heads, model.kv_heads)
+    h = kv = 0
+    for size, n_kv, _ in group_shapes(model.heads, model.kv_heads, head_groups):
         for a in head_assignments(size, n_kv, ulysses):
             h, kv = max(h, a.q_len), max(kv, a.kernel_kv_heads)
-        start += size
     return h, kv
 
 

@@ -49,6 +49,22 @@ and v are not held (nothing saves them), the head shards are (the same head-shar
 Ulysses hand-over (Note [Saved tensors handed over]) is not counted: whether the token shards die
 once sent depends on whether the model holds them elsewhere.
 
+Note [Planner head groups]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+``head_groups=G`` runs a call as G calls over groups of query heads (Note [Head groups] in
+``seqpar/attention.py``); the groups, with the K/V heads each carries, come from
+``seqpar.planner.memory.group_shapes``, the list the memory model counts too. A count's **time**
+is the sum of its groups' predictions (each group a layer of its query and K/V heads, every piece
+above with its own latencies: the all-to-alls, ring steps and kernel calls are G times as many),
+plus element-wise passes over the shard: the output written group by group, the gradients joined.
+Its **peak** follows :func:`_memory` per group: held throughout, the call's shards of q, k, v, out,
+dout, every group's log-sum-exps, the earlier groups' token-shard gradients (kept until the last
+group is done), a group's K/V picked per query head where it reads them unevenly, and with
+``keep_head_shards`` the other groups' saved head shards; then that group's exchange, ring and way
+back; finally the join (dq's copy next to every group's gradients). One group is exactly
+:func:`predict`'s figures. Not counted: copies a kernel makes of a group's non-contiguous head
+slices (measured on CPU: the ring without Ulysses peaks up to 5% above the prediction).
+
 Note [Planner by shard geometry]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``R`` ring ranks run ``R`` steps each, and the prediction reads every one of those ``R^2`` steps
@@ -69,7 +85,7 @@ are array maths. The figures are bitwise those of the rank-by-rank computation
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -81,8 +97,9 @@ from ..placement.ring import (
     RingPlan, Step, is_single_block, pair_geometry, ring_step, sent_as_computed, split_wide_blocks, sums_keys,
 )
 from .cost import CostModel
+from .memory import group_shapes
 
-__all__ = ["Shape", "Candidate", "predict"]
+__all__ = ["Shape", "Candidate", "GroupPrediction", "predict", "predict_head_groups", "group_counts"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,21 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class GroupPrediction:
+    """One candidate run with ``head_groups`` groups of query heads (Note [Planner head groups]).
+
+    Attributes:
+        head_groups: ``G``, the calls' ``head_groups``.
+        time_s: predicted seconds of the layer's attention, forward and backward.
+        memory_bytes: predicted peak bytes of the busiest rank during the call's backward.
+    """
+
+    head_groups: int
+    time_s: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class Candidate:
     """The prediction for one factorisation ``R x U`` (per rank, one layer, forward + backward).
 
@@ -127,6 +159,11 @@ class Candidate:
             or ``"allgather"`` (Note [All-gather K/V]); ``"p2p"`` when ``R == 1``.
         keep_head_shards: predicted with ``ParallelState(keep_head_shards=True)`` (Note [Ulysses
             memory]); ``False`` when ``U == 1``, where it changes nothing.
+        groups: the same split with ``head_groups`` 1, 2, 4, ... (:func:`group_counts`), one
+            :class:`GroupPrediction` each (Note [Planner head groups]); empty where the plan did
+            not predict them. ``time_s`` and ``memory_bytes`` above are those of one group.
+        head_groups: the recommended ``head_groups`` (``seqpar.planner.recommend_head_groups``);
+            1 where ``groups`` is empty.
     """
 
     ring_size: int
@@ -144,6 +181,20 @@ class Candidate:
     ring_link: str
     ring_comm: str = "p2p"
     keep_head_shards: bool = False
+    groups: tuple[GroupPrediction, ...] = field(default=(), compare=False)
+    head_groups: int = field(default=1, compare=False)
+
+    def group(self, head_groups: int) -> GroupPrediction:
+        """The prediction with ``head_groups`` groups.
+
+        Raises:
+            ValueError: a count that was not predicted (listing those that were).
+        """
+        for g in self.groups:
+            if g.head_groups == head_groups:
+                return g
+        raise ValueError(f"Candidate.group: head_groups={head_groups!r} was not predicted for {self.label()}; "
+                         f"predicted: {[g.head_groups for g in self.groups]}")
 
     @property
     def idle_ranks(self) -> int:
@@ -493,10 +544,11 @@ def _steps(
 
 def predict(
     shape: Shape, ring_size: int, ulysses_size: int, ranks_per_node: int, cost: CostModel, ring_comm: str = "p2p",
-    keep_head_shards: bool = False,
+    keep_head_shards: bool = False, *, memory: bool = True,
 ) -> Candidate:
     """The :class:`Candidate` of ``R x U`` with K/V transport ``ring_comm`` for ``shape`` (Note
-    [Planner prediction]); trusted inputs (``seqpar.planner.plan`` validates them)."""
+    [Planner prediction]); trusted inputs (``seqpar.planner.plan`` validates them). ``memory=False``
+    leaves the peak out (``memory_bytes`` 0): a head group's time, whose peak is the call's."""
     R, U = ring_size, ulysses_size
     keep = keep_head_shards and U > 1
     N = R * U
@@ -585,7 +637,7 @@ def predict(
         ulysses_bytes=max(a2a_bytes),
         ring_bytes=max(ring_bytes),
         memory_bytes=_memory(shape, placement, table, heads, acc, width if allgather else None, keep, serial,
-                             cost.device != "cpu"),
+                             cost.device != "cpu") if memory else 0,
         imbalance=imbalance(work),
         heads=tuple(h),
         kv_heads=tuple(a.kv_len for a in heads),
@@ -597,9 +649,51 @@ def predict(
     )
 
 
+def group_counts(num_heads: int, ulysses_size: int) -> tuple[int, ...]:
+    """The head-group counts the planner predicts: 1, 2, 4, ... up to ``H / U`` (a group of fewer
+    query heads than Ulysses ranks leaves ranks without work, Note [Head groups])."""
+    counts, g = [], 1
+    while g <= max(1, num_heads // ulysses_size):
+        counts.append(g)
+        g *= 2
+    return tuple(counts)
+
+
+def predict_head_groups(
+    shape: Shape, candidate: Candidate, ranks_per_node: int, cost: CostModel, counts: tuple[int, ...] | None = None,
+) -> tuple[GroupPrediction, ...]:
+    """``candidate``'s split run with each of ``counts`` head groups (default :func:`group_counts`),
+    Note [Planner head groups]; ``candidate`` is :func:`predict`'s for ``shape`` (one group)."""
+    R, U, comm, keep = candidate.ring_size, candidate.ulysses_size, candidate.ring_comm, candidate.keep_head_shards
+    H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
+    placement = Placement.dense(shape.seq_len, R, U)
+    table = _ring_table(shape.seq_len, R, shape.mask)
+    acc = 4 if e <= 4 else e
+    width = table.width if comm == "allgather" and R > 1 else None
+    # the output written group by group, the gradients joined: element-wise passes over the shard
+    joins = max(placement.shard_lengths) * (4 * H + 6 * Hkv) * D * B * e / cost.memory_bandwidth
+    times: dict[tuple[int, int], float] = {}
+    out = []
+    for G in group_counts(H, U) if counts is None else counts:
+        if G == 1:
+            out.append(GroupPrediction(1, candidate.time_s, candidate.memory_bytes))
+            continue
+        groups = []
+        for size, n_kv, expanded in group_shapes(H, Hkv, G):
+            if (size, n_kv) not in times:
+                sub = replace(shape, num_heads=size, num_kv_heads=n_kv)
+                times[size, n_kv] = predict(sub, R, U, ranks_per_node, cost, comm, keep, memory=False).time_s
+            groups.append((size, n_kv, expanded, cached_head_assignments(size, n_kv, U)))
+        memory = _memory(shape, placement, table, list(cached_head_assignments(H, Hkv, U)), acc, width, keep,
+                         comm == "p2p_serial" and R > 1, cost.device != "cpu", groups)
+        out.append(GroupPrediction(G, sum(times[g[0], g[1]] for g in groups) + joins, memory))
+    return tuple(out)
+
+
 def _memory(
     shape: Shape, placement: Placement, table: _RingTable, heads: list[HeadAssignment], acc: int,
     gather_width: int | None = None, keep_head_shards: bool = False, serial: bool = False, expands: bool = False,
+    groups: list[tuple[int, int, bool, tuple[HeadAssignment, ...]]] | None = None,
 ) -> int:
     """Peak bytes of one rank during the layer's backward (Note [Planner prediction]).
 
@@ -611,44 +705,67 @@ def _memory(
     transport's slot rows (Note [All-gather K/V]), whose buffers replace the ring's step buffers;
     ``serial``: the ring without overlap (Note [Serial ring]); ``expands``: the device's kernels
     expand K/V heads in the backward (every CUDA backend, ``KernelBackend.backward_expands_kv_heads``).
+    ``groups``: the call's head groups (Note [Planner head groups]), each ``(query heads, K/V
+    heads, expanded, head assignments)``; None: one group of all heads (``heads``).
     """
     R, U = placement.ring_size, placement.ulysses_size
     H, Hkv, D, B, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.batch, shape.element_size
     unit = D * B
+    if groups is None:
+        groups = [(H, Hkv, False, tuple(heads))]
     peaks: dict[tuple[int, int, int], list[int]] = {}  # (h, kv, own heads) -> the ring's peak per ring rank
     worst = 0
-    for u, a in enumerate(heads):
-        h, kv = a.q_len, a.kernel_kv_heads
-        # the ring frees the K/V the kernels read once sent (Note [Own K/V released])
-        own_heads = (a.kv_len if a.kv_index is None else kv) if U > 1 and h and not keep_head_shards else 0
-        if h and (h, kv, own_heads) not in peaks:
-            peaks[h, kv, own_heads] = _ring_peaks(table, h, kv, own_heads, unit, B, e, acc, gather_width, serial, expands)
-        seen = set()  # ranks with the same L, shard and ring peak hold the same
-        for r in range(R):
-            L = table.lengths[r]
-            local = placement.shard_lengths[r * U + u]
-            if (L, local, peaks[h, kv, own_heads][r] if h else 0) in seen:
-                continue
-            seen.add((L, local, peaks[h, kv, own_heads][r] if h else 0))
-            held = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
-            held += B * L * h * 4  # the forward's log-sum-exps (fp32), this rank's heads
-            grads = local * (H + 2 * Hkv) * unit * e  # dq, dk, dv of the shard
-            ring = peaks[h, kv, own_heads][r] if h else 0
-            if U > 1:
-                inputs = L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
-                at_kernel = inputs
-                if a.kv_index is not None:  # K/V expanded to the kernel's heads; the received
-                    # ones die then unless the forward kept them (Note [Ulysses memory])
-                    at_kernel += 2 * L * (kv - (0 if keep_head_shards else a.kv_len)) * unit * e
-                at_kernel -= 2 * L * own_heads * unit * e
-                moments = (
-                    inputs + local * H * unit * e,  # their exchange: one staging copy at a time
-                    at_kernel + ring,
-                    L * (h + 2 * a.kv_len + max(h, a.kv_len)) * unit * e + grads,  # dq, dk, dv back
-                )
-            else:
-                moments = (ring, grads)
-            worst = max(worst, held + max(moments))
+    for u in range(U):
+        lse_heads = sum(g[3][u].q_len for g in groups)  # every group's LSEs are saved for its backward
+        done = 0  # heads (query + 2 K/V) of the groups whose token-shard gradients are kept, waiting to join
+        seen = set()  # (group shape, L, shard, ring peak): ranks and groups that hold the same
+        for size, n_kv, expanded, group_heads in groups:
+            a = group_heads[u]
+            h, kv = a.q_len, a.kernel_kv_heads
+            # the ring frees the K/V the kernels read once sent (Note [Own K/V released])
+            own_heads = (a.kv_len if a.kv_index is None else kv) if U > 1 and h and not keep_head_shards else 0
+            if h and (h, kv, own_heads) not in peaks:
+                peaks[h, kv, own_heads] = _ring_peaks(table, h, kv, own_heads, unit, B, e, acc, gather_width, serial,
+                                                      expands)
+            # the other groups' head shards, saved for their backward with keep_head_shards
+            kept = sum(2 * o[3][u].q_len + 2 * o[3][u].kv_len for o in groups) - 2 * h - 2 * a.kv_len \
+                if keep_head_shards and len(groups) > 1 else 0
+            for r in range(R):
+                L = table.lengths[r]
+                local = placement.shard_lengths[r * U + u]
+                ring = peaks[h, kv, own_heads][r] if h else 0
+                if (size, n_kv, expanded, done, L, local, ring) in seen:
+                    continue
+                seen.add((size, n_kv, expanded, done, L, local, ring))
+                held = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
+                held += B * L * lse_heads * 4  # the forward's log-sum-exps (fp32), this rank's heads
+                held += (local * done + L * kept) * unit * e
+                if expanded:  # the group's K and V picked per query head (copies)
+                    held += 2 * local * size * unit * e
+                grads = local * (size + 2 * n_kv) * unit * e  # dq, dk, dv of the shard (the group's heads)
+                if U > 1:
+                    inputs = L * (3 * h + 2 * a.kv_len) * unit * e  # q, k, v, out, dout of its heads
+                    at_kernel = inputs
+                    if a.kv_index is not None:  # K/V expanded to the kernel's heads; the received
+                        # ones die then unless the forward kept them (Note [Ulysses memory])
+                        at_kernel += 2 * L * (kv - (0 if keep_head_shards else a.kv_len)) * unit * e
+                    at_kernel -= 2 * L * own_heads * unit * e
+                    moments = (
+                        inputs + local * size * unit * e,  # their exchange: one staging copy at a time
+                        at_kernel + ring,
+                        L * (h + 2 * a.kv_len + max(h, a.kv_len)) * unit * e + grads,  # dq, dk, dv back
+                    )
+                else:
+                    moments = (ring, grads)
+                worst = max(worst, held + max(moments))
+            done += size + 2 * n_kv
+        if len(groups) > 1:  # the groups' gradients joined: dq's copy next to every group's share
+            kept = sum(2 * g[3][u].q_len + 2 * g[3][u].kv_len for g in groups) if keep_head_shards else 0
+            for r in range(R):
+                L, local = table.lengths[r], placement.shard_lengths[r * U + u]
+                held = local * (2 * H if keep_head_shards else 3 * H + 2 * Hkv) * unit * e
+                held += B * L * lse_heads * 4 + L * kept * unit * e
+                worst = max(worst, held + local * (done + H) * unit * e)
     return worst
 
 
