@@ -22,8 +22,9 @@ shard would read the wrong history) and records its weight, bias and activation;
 token-wise steps between the two calls (transpose, split into q/k/v, reshape to heads) run on the
 pre-conv channels; ``torch_chunk_gated_delta_rule`` then receives q/k/v, checks that they are views
 of what the conv was given (nothing but a re-layout happened in between) and runs conv and rule
-head-parallel. Decoding with a cache (``cache_params``: conv and recurrent states) and packed
-batches (``cu_seq_lens_q``, ``seq_idx``) are refused: this step does not hand states across ranks.
+head-parallel. Decoding with a cache (``cache_params``, ``cache`` from 5.24: conv and recurrent
+states) and packed batches (``cu_seq_lens_q``, ``seq_idx``) are refused: this step does not hand
+states across ranks.
 Both refusals follow from the call's arguments, which every CP rank passes alike, so every rank
 raises the same error before any collective.
 
@@ -34,8 +35,9 @@ own rule kernel (:class:`KernelRule`): its outputs and final state from a zero s
 transition from ``Dk`` extra value columns started at the identity, and a re-run from the true
 initial state where the piece does not start the sequence.
 
-Read against transformers 5.23's modeling files; a forward of another shape is refused when the
-adapter is installed (``rebind.original_kernels``).
+Read against transformers 5.23's modeling files, and 5.24's (the same forwards with the cache
+parameter renamed ``cache``: Note [Renamed cache parameter]); a forward of another shape is refused
+when the adapter is installed (``rebind.original_kernels``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from ...mixing import HeadShard, Recurrence, Summary, causal_conv1d_halo, head_p
 from ...state import ParallelState
 from . import CHOOSER, register_adapter
 from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
-from .rebind import original_kernels, rebind_forward, set_forward
+from .rebind import Parameter, cache_parameter, call_cache, original_kernels, rebind_forward, set_forward
 
 __all__: list[str] = []
 
@@ -64,12 +66,13 @@ _CLASSES = (
 )
 _CONV, _RULE = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 _DECODE = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule")  # cached one-token steps
-_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask")
+_CACHE = cache_parameter("cache_params")
+_PARAMETERS = ("self", "hidden_states", _CACHE, "attention_mask")
 # transformers' packed-batch kwargs: positions within the shard, not the sequence.
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 
 
-def refuse_call(module: nn.Module, cache: object, kwargs: dict[str, Any], cache_name: str) -> None:
+def refuse_call(module: nn.Module, cache: object, cache_name: str, kwargs: dict[str, Any]) -> None:
     """Refuse what this step does not run on shards (the same on every rank: see the Note).
 
     Raises:
@@ -120,9 +123,10 @@ class ConvAndRuleKernels:
     rule_name = "gated delta rule"  # in messages
     kernel_names = (_CONV, _RULE)  # the module-level names the forward calls its conv and rule by
 
-    def __init__(self, module: nn.Module, state: ParallelState, parameters: tuple[str, ...],
+    def __init__(self, module: nn.Module, state: ParallelState, parameters: tuple[Parameter, ...],
                  mixing: str = HEAD_PARALLEL) -> None:
         kernels = original_kernels(module, self.kernel_names, parameters)
+        self.cache = next(p for p in parameters if isinstance(p, tuple))  # the cache parameter's names
         self.name = type(module).__name__
         self.state = state
         self.chooser = ModeChooser(state, mixing)
@@ -167,7 +171,7 @@ class ConvAndRuleKernels:
         import transformers
 
         return NotImplementedError(
-            f"seqpar: {self.name}'s forward {what}; its adapter was written against transformers 5.23 "
+            f"seqpar: {self.name}'s forward {what}; its adapter was written against transformers 5.23 and 5.24 "
             f"(installed: {transformers.__version__}). Run the model with cp_size 1, or report the version"
         )
 
@@ -327,7 +331,7 @@ def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = signature.bind(self, *args, **kwargs).arguments
-        refuse_call(self, call.get("cache_params"), {**call.get("kwargs", {})}, "cache_params")
+        refuse_call(self, *call_cache(call, kernels.cache), {**call.get("kwargs", {})})
         kernels.pending = None
         try:
             out = rebound(self, *args, **kwargs)

@@ -29,10 +29,11 @@ kernel names rebound (Note [Rebound kernels]): ``causal_conv1d_fn`` records its 
 returns its input, and ``chunk_kimi_delta_attention`` runs conv and rule in one head-parallel
 call, each the modeling file's own function (the installed kernel or the torch fallback).
 
-Decoding with a cache (MiniMax's ``past_key_values``, KDA's ``cache_params``) and packed batches
-are refused from the call's arguments, which every CP rank passes alike, so every rank raises the
-same error before any collective. Read against transformers 5.23's modeling files; a forward of
-another shape is refused when the adapter is installed.
+Decoding with a cache (MiniMax's ``past_key_values``, KDA's ``cache_params``; ``cache`` for both
+from 5.24) and packed batches are refused from the call's arguments, which every CP rank passes
+alike, so every rank raises the same error before any collective. Read against transformers
+5.23's modeling files and 5.24's (the cache parameter renamed: Note [Renamed cache parameter]); a
+forward of another shape is refused when the adapter is installed.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ...state import ParallelState
 from . import CHOOSER, register_adapter
 from .gated_delta import ConvAndRuleKernels, ConvCall, install_conv_and_rule, refuse_call, summary_dtype
 from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
-from .rebind import checked_forward, refuse_adapting, set_forward
+from .rebind import cache_parameter, call_cache, checked_forward, refuse_adapting, set_forward
 
 __all__: list[str] = []
 
@@ -57,7 +58,8 @@ __all__: list[str] = []
 # --- MiniMax lightning attention ------------------------------------------------------------------
 
 _LIGHTNING = "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention"
-_LIGHTNING_PARAMETERS = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+_LIGHTNING_CACHE = cache_parameter("past_key_values")
+_LIGHTNING_PARAMETERS = ("self", "hidden_states", "position_embeddings", "attention_mask", _LIGHTNING_CACHE)
 # What the 5.23 forward reads of the module; the adapter's forward reads the same.
 _LIGHTNING_READS = ("qkv_proj", "act_fn", "norm", "output_gate", "out_proj", "slope_rate", "query_decay",
                     "key_decay", "diagonal_decay", "block_size", "num_attention_heads", "head_dim")
@@ -123,7 +125,7 @@ def _install_lightning(module: nn.Module, state: ParallelState, mixing: str) -> 
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         call = signature.bind(self, *args, **kwargs).arguments
-        refuse_call(self, call.get("past_key_values"), {**call.get("kwargs", {})}, "past_key_values")
+        refuse_call(self, *call_cache(call, _LIGHTNING_CACHE), {**call.get("kwargs", {})})
         hidden_states, attention_mask = call["hidden_states"], call.get("attention_mask")
         batch, local, _ = hidden_states.shape
         heads, d = self.num_attention_heads, self.head_dim
@@ -157,7 +159,7 @@ _KDA_CLASSES = (
 )
 _CONV, _RULE = "causal_conv1d_fn", "chunk_kimi_delta_attention"
 _KDA_DECODE = ("causal_conv1d_update", "recurrent_kimi_delta_attention")  # cached one-token steps
-_KDA_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask")
+_KDA_PARAMETERS = ("self", "hidden_states", cache_parameter("cache_params"), "attention_mask")
 
 
 class _KimiDeltaKernels(ConvAndRuleKernels):

@@ -2,7 +2,8 @@
 
 Note [Mamba adapters]
 ~~~~~~~~~~~~~~~~~~~~~
-Read against transformers 5.23. Two mixer codes, each shared by several families:
+Read against transformers 5.23, and 5.24 (the same forwards with the cache parameter renamed
+``cache``: Note [Renamed cache parameter]). Two mixer codes, each shared by several families:
 
 - **Mamba2** (``Mamba2Mixer``, ``BambaMixer``, ``NemotronHMamba2Mixer``,
   ``GraniteMoeHybridMambaLayer``, ``Zamba2MambaMixer``, and ``FalconH1Mixer`` with its
@@ -26,14 +27,15 @@ installed. The fused training kernels (``mamba2_split_conv1d_scan_combined``,
 ``mamba_inner_fn``) are never called: they would scan the shard alone.
 
 The adapter replaces the instance's ``forward`` with one that reproduces the 5.23 forward with
-the mixing routed as above. The installer checks the class's ``forward`` (signature and the
+the mixing routed as above, taking the arguments the class's forward takes (its cache under the
+name of the installed release). The installer checks the class's ``forward`` (signature and the
 names its code uses) against what was read; a transformers version whose forward differs is
 refused, on every rank alike, rather than run with a stale copy.
 
 Not supported on shards, refused with the same error on every rank (one exchange of ints when
 the CP ranks check collectively, ``ParallelState.checks``): a cache (``cache_params`` /
-``past_key_values``: decoding, or prefill into a cache, which would need the states at the
-shard ends), packed-batch kwargs (``seq_idx``, ``cu_seq_lens_*``), and a 2-D padding mask that
+``past_key_values``, ``cache`` from 5.24: decoding, or prefill into a cache, which would need the
+states at the shard ends), packed-batch kwargs (``seq_idx``, ``cu_seq_lens_*``), and a 2-D padding mask that
 is not this rank's ``[B, S_local]`` shard. A mask of the shard's shape is applied as the
 reference does (token-wise, before the projection and after the conv; in Mamba2 layers it travels
 with ``dt``, ones where a rank has none, since transformers hands a rank without padding None).
@@ -62,10 +64,11 @@ from ...mixing import HeadShard, head_parallel
 from ...prepare import collective_checks
 from ...state import ParallelState
 from . import register_adapter
+from .rebind import cache_parameter, call_cache, shown, takes
 
 __all__: list[str] = []
 
-READ_AGAINST = "5.23"
+READ_AGAINST = "5.23 and 5.24"
 
 # The names (globals and attributes) the 5.23 forward of each mixer code uses: a forward that
 # uses other names was changed and is refused (Note [Mamba adapters]).
@@ -91,7 +94,8 @@ _MAMBA1_NAMES = frozenset(
 _JAMBA_NAMES = (_MAMBA1_NAMES - {"mamba_inner_fn", "training", "use_bias", "use_conv_bias"}) | frozenset(
     "b_layernorm c_layernorm config dt_layernorm hasattr".split()
 )
-_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask", "kwargs")
+_CACHE_PARAMETER = cache_parameter("cache_params")
+_PARAMETERS = ("self", "hidden_states", _CACHE_PARAMETER, "attention_mask", "kwargs")
 # kwargs of packed batches (transformers' flash-attention varlen kwargs, Mamba's seq_idx).
 _PACKED_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -109,8 +113,8 @@ def _check_forward(module: nn.Module, names: frozenset[str], kernels: tuple[str,
     where = f"seqpar: the Mamba adapter of {cls.__name__} (read against transformers {READ_AGAINST})"
     fix = "run the model with cp_size 1, or use a transformers version the adapter was checked against"
     params = tuple(inspect.signature(forward).parameters)
-    if params != _PARAMETERS:
-        raise NotImplementedError(f"{where}: its forward takes {params}, not {_PARAMETERS}; {fix}")
+    if len(params) != len(_PARAMETERS) or not takes(params, _PARAMETERS):
+        raise NotImplementedError(f"{where}: its forward takes {list(params)}, not {shown(_PARAMETERS)}; {fix}")
     code = getattr(forward, "__code__", None)
     used = frozenset(code.co_names) if code is not None else frozenset()
     if used != names:
@@ -142,16 +146,27 @@ def _mask_row(mask: Tensor | None, batch: int, local: int) -> list[int]:
 
 
 def _refuse_together(
-    module: nn.Module, state: ParallelState, hidden: Tensor, cache_params: Any, mask: Tensor | None,
+    module: nn.Module, state: ParallelState, hidden: Tensor, cache: Any, mask: Tensor | None,
     kwargs: dict[str, Any],
 ) -> None:
     """Raise the same error on every CP rank if any rank's call cannot run exactly on shards."""
     row = _mask_row(mask, *hidden.shape[:2])
-    if cache_params is not None:
+    if cache is not None:
         row = [_CACHE, 0, 0]
     elif any(kwargs.get(k) is not None for k in _PACKED_KWARGS):
         row = [_PACKED, 0, 0]
     _raise_together(module, state, hidden.device, row)
+
+
+def _arguments(
+    module: nn.Module, state: ParallelState, signature: inspect.Signature, args: tuple, kwargs: dict[str, Any],
+) -> tuple[Tensor, Tensor | None]:
+    """``(hidden_states, attention_mask)`` of a call bound as the class's forward takes it (its cache
+    under either name, Note [Renamed cache parameter]), after refusing together what does not run."""
+    call = signature.bind(module, *args, **kwargs).arguments
+    hidden, mask = call["hidden_states"], call.get("attention_mask")
+    _refuse_together(module, state, hidden, call_cache(call, _CACHE_PARAMETER)[0], mask, call.get("kwargs", {}))
+    return hidden, mask
 
 
 def _raise_together(module: nn.Module, state: ParallelState, device: torch.device, row: list[int]) -> None:
@@ -168,7 +183,7 @@ def _raise_together(module: nn.Module, state: ParallelState, device: torch.devic
     where = f"seqpar: {type(module).__name__} on sequence shards, cp rank {rank},"
     if code == _CACHE:
         raise NotImplementedError(
-            f"{where} was called with a cache (cache_params / past_key_values, use_cache=True): decoding or "
+            f"{where} was called with a cache (cache / cache_params / past_key_values, use_cache=True): decoding or "
             "prefilling a cache needs the scan and conv states at the ends of the shards, which seqpar does "
             "not produce; call the model with use_cache=False on shards (generate on one rank)"
         )
@@ -252,9 +267,11 @@ def _install_mamba2(module: nn.Module, state: ParallelState, names: frozenset[st
             "the groups must divide the heads"
         )
 
+    signature = inspect.signature(type(module).forward)
+
     @_accelerate_hooks(["conv1d"])
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        _refuse_together(self, state, hidden_states, cache_params, attention_mask, kwargs)
+    def forward(self, *args, **kwargs):
+        hidden_states, attention_mask = _arguments(self, state, signature, args, kwargs)
         dtype = hidden_states.dtype
         hidden_states = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
         if falcon:
@@ -369,9 +386,11 @@ def _install_mamba1(module: nn.Module, state: ParallelState, names: frozenset[st
             use_mambapy=module.use_mambapy, use_associative_scan=module.use_associative_scan,
         ).transpose(1, 2)
 
+    signature = inspect.signature(type(module).forward)
+
     @_accelerate_hooks(["conv1d", "dt_proj"])
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        _refuse_together(self, state, hidden_states, cache_params, attention_mask, kwargs)
+    def forward(self, *args, **kwargs):
+        hidden_states, attention_mask = _arguments(self, state, signature, args, kwargs)
         dtype = hidden_states.dtype
         hidden_states = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
         xs, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, S_local, I] each

@@ -19,6 +19,18 @@ models keep the original kernels, and ``module.forward`` is the only attribute s
 The code is checked, not trusted: every swapped name must be a global that the forward reads, and
 the forward's leading parameters must be the ones the adapter was written against; otherwise the
 adapter refuses to install, naming the class and the transformers version.
+
+Note [Renamed cache parameter]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+transformers 5.24 renamed the cache parameter of the token mixers' forwards (``cache_params`` or
+``past_key_values`` in 5.23) to ``cache`` and left their bodies as they were (Note [transformers
+cache argument]); the old keyword still reaches the forward through ``deprecate_kwarg``, which
+wraps it with ``functools.wraps`` and holds it in its closure, as the rebuild above expects. So an
+adapter names that parameter by its alternatives (:func:`cache_parameter`), which the checks
+accept either of; reads the call's cache under any of them (:func:`call_cache`: the forward's own
+parameter, or the other name caught in its ``**kwargs``), so that a cache is refused whichever
+name the caller used; and writes one under the name the class's forward takes
+(:func:`parameter_name`).
 """
 
 from __future__ import annotations
@@ -26,10 +38,17 @@ from __future__ import annotations
 import inspect
 import types
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
 from torch import nn
 
-__all__ = ["checked_forward", "original_kernels", "rebind_forward", "refuse_adapting", "set_forward"]
+__all__ = [
+    "cache_parameter", "call_cache", "checked_forward", "original_kernels", "parameter_name", "rebind_forward",
+    "refuse_adapting", "set_forward", "shown", "takes",
+]
+
+# A forward's parameter: its name, or the names it has had across transformers releases.
+Parameter = Union[str, tuple[str, ...]]
 
 _REBOUND = "_seqpar_rebound"  # attribute of a forward built here
 
@@ -40,7 +59,7 @@ def refuse_adapting(cls: type, what: str) -> NotImplementedError:
 
     return NotImplementedError(
         f"seqpar: cannot adapt {cls.__name__} to sequence shards: {what}. Its adapter was written "
-        f"against transformers 5.23 (installed: {transformers.__version__}); run the model with "
+        f"against transformers 5.23 and 5.24 (installed: {transformers.__version__}); run the model with "
         "cp_size 1, or report the version so that the adapter can follow it"
     )
 
@@ -55,24 +74,71 @@ def _innermost(cls: type) -> types.FunctionType:
     return inner
 
 
-def checked_forward(cls: type, parameters: Sequence[str], reads: Sequence[str] = ()) -> types.FunctionType:
+def cache_parameter(old: str) -> tuple[str, str]:
+    """A mixer's cache parameter: ``old`` (its 5.23 name) or ``cache`` (5.24 on); Note [Renamed
+    cache parameter]."""
+    return (old, "cache")
+
+
+def takes(got: Sequence[str], parameters: Sequence[Parameter]) -> bool:
+    """Whether the parameter names ``got`` start with ``parameters`` (a tuple entry: any of its names)."""
+    return len(got) >= len(parameters) and all(
+        g == p if isinstance(p, str) else g in p for g, p in zip(got, parameters)
+    )
+
+
+def shown(parameters: Sequence[Parameter]) -> list[str]:
+    """``parameters`` for messages, alternatives joined by ``|``."""
+    return [p if isinstance(p, str) else "|".join(p) for p in parameters]
+
+
+def parameter_name(cls: type, alternatives: Sequence[str]) -> str:
+    """The one of ``alternatives`` that ``cls.forward`` takes (check it with :func:`checked_forward` first).
+
+    Raises:
+        NotImplementedError: a forward that takes none of them.
+    """
+    got = inspect.signature(_innermost(cls)).parameters
+    name = next((n for n in alternatives if n in got), None)
+    if name is None:
+        raise refuse_adapting(cls, f"its forward takes {list(got)}, none of {list(alternatives)}")
+    return name
+
+
+def call_cache(call: Mapping[str, Any], alternatives: Sequence[str]) -> tuple[Any, str]:
+    """The cache a call passes and the name it came under, from the call's bound arguments
+    (``signature.bind(...).arguments``): under the forward's own parameter, or under another of
+    ``alternatives`` caught in its ``**kwargs`` (``deprecate_kwarg`` hands that on to the forward);
+    ``(None, alternatives[0])`` when it passes none. Note [Renamed cache parameter]."""
+    extra = call.get("kwargs")
+    places = (call, extra) if isinstance(extra, Mapping) else (call,)
+    for name in alternatives:
+        for place in places:
+            value = place.get(name)
+            if value is not None:
+                return value, name
+    return None, alternatives[0]
+
+
+def checked_forward(cls: type, parameters: Sequence[Parameter], reads: Sequence[str] = ()) -> types.FunctionType:
     """The innermost Python function of ``cls.forward``, after checking that its parameters start
-    with ``parameters`` (``self`` first) and that its code reads every name in ``reads``.
+    with ``parameters`` (``self`` first; a tuple entry: any of its names) and that its code reads
+    every name in ``reads``.
 
     Raises:
         NotImplementedError: a forward of another shape, naming what differs.
     """
     inner = _innermost(cls)
     got = list(inspect.signature(inner).parameters)
-    if got[: len(parameters)] != list(parameters):
-        raise refuse_adapting(cls, f"its forward takes {got}, not {list(parameters)} first")
+    if not takes(got, parameters):
+        raise refuse_adapting(cls, f"its forward takes {got}, not {shown(parameters)} first")
     missing = [name for name in reads if name not in inner.__code__.co_names]
     if missing:
         raise refuse_adapting(cls, f"its forward does not read {missing}")
     return inner
 
 
-def original_kernels(module: nn.Module, names: Sequence[str], parameters: Sequence[str]) -> dict[str, Callable]:
+def original_kernels(module: nn.Module, names: Sequence[str], parameters: Sequence[Parameter]) -> dict[str, Callable]:
     """The functions that ``type(module).forward`` calls under ``names`` (its modeling module's
     globals), after checking that its code reads each of them and that its parameters start
     with ``parameters`` (``self`` first).

@@ -130,7 +130,7 @@ def _install(module: nn.Module, state: ParallelState) -> None:
                 "generate with a cache are not supported for hybrid models on shards yet; call the model "
                 "with use_cache=False, or generate with cp_size 1"
             )
-        refuse_call(self, None, {**call.get("kwargs", {})}, "use_cache")
+        refuse_call(self, None, "use_cache", {**call.get("kwargs", {})})
         recurrence.active = True
         try:
             return cls_forward(self, *args, **kwargs)

@@ -12,8 +12,9 @@ sequences of ``hidden_size / cp_size`` channels, one exchange each way. So a tok
 
 The layer's own forward runs on the shard with ``causal_conv1d_fn`` rebound to that
 head-parallel conv (Note [Rebound kernels]); the gates and projections stay token-wise on the
-shard. A cache (``past_key_values``: the conv state) and packed batches are refused, on every
-rank alike (Note [Gated delta net on shards]). Read against transformers 5.23's modeling files.
+shard. A cache (``past_key_values``, ``cache`` from 5.24: the conv state) and packed batches are
+refused, on every rank alike (Note [Gated delta net on shards]). Read against transformers 5.23's
+modeling files and 5.24's (the cache parameter renamed: Note [Renamed cache parameter]).
 
 In state-passing mode (Note [Choosing the mixing mode]) the conv runs on the rank's own tokens
 with the ``K - 1`` globally preceding ones of each of its pieces gathered from the ranks that
@@ -33,7 +34,7 @@ from ...state import ParallelState
 from . import CHOOSER, register_adapter
 from .gated_delta import refuse_call, refuse_decode_kernel
 from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
-from .rebind import original_kernels, rebind_forward, set_forward
+from .rebind import cache_parameter, call_cache, original_kernels, rebind_forward, set_forward
 
 __all__: list[str] = []
 
@@ -43,7 +44,8 @@ _CLASSES = (
     "transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv",
 )
 _CONV = "causal_conv1d_fn"
-_PARAMETERS = ("self", "hidden_states", "past_key_values", "attention_mask")
+_CACHE = cache_parameter("past_key_values")
+_PARAMETERS = ("self", "hidden_states", _CACHE, "attention_mask")
 
 
 def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
@@ -60,7 +62,7 @@ def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
             raise NotImplementedError(
                 f"seqpar: {name}'s forward passes its conv x {tuple(hidden_states.shape)} and weight "
                 f"{tuple(weight.shape)}, not [B, C, S] and [C, K]; its adapter was written against "
-                "transformers 5.23. Run the model with cp_size 1, or report the version"
+                "transformers 5.23 and 5.24. Run the model with cp_size 1, or report the version"
             )
 
         batch, channels, local = hidden_states.shape
@@ -83,7 +85,7 @@ def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = signature.bind(self, *args, **kwargs).arguments
-        refuse_call(self, call.get("past_key_values"), {**call.get("kwargs", {})}, "past_key_values")
+        refuse_call(self, *call_cache(call, _CACHE), {**call.get("kwargs", {})})
         return rebound(self, *args, **kwargs)
 
     set_forward(module, forward)

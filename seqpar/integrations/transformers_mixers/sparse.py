@@ -31,9 +31,10 @@ reuse it as it is.
 The layer's own forward runs on the shard (Note [Rebound kernels]) with three of its inputs
 replaced:
 
-- ``past_key_values``: :class:`_WholeSequence`, which takes the cache's place where the forward
-  hands it the new tokens' latent (``update``) and index key (``update_indexer``) and reads back
-  all keys: here, the whole sequence's;
+- ``past_key_values`` (``cache`` from transformers 5.24, Note [Renamed cache parameter]):
+  :class:`_WholeSequence`, which takes the cache's place where the forward hands it the new
+  tokens' latent (``update``; 5.24 adds the forward's kwargs, unused here) and index key
+  (``update_indexer``) and reads back all keys: here, the whole sequence's;
 - ``attention_mask``: the causal mask of the local queries over all keys, a bool
   ``[1, 1, S_local, S]`` tensor (the forward slices it for the indexer and passes it on), in place
   of seqpar's recognised mask, which must be plain causal;
@@ -68,7 +69,10 @@ from ...placement import Mask, Placement
 from ...sharding import shard_positions, unshard
 from ...state import ParallelState
 from . import register_adapter
-from .rebind import checked_forward, original_kernels, rebind_forward, refuse_adapting, set_forward
+from .rebind import (
+    cache_parameter, call_cache, checked_forward, original_kernels, parameter_name, rebind_forward, refuse_adapting,
+    set_forward,
+)
 
 __all__ = ["sparse_attention_layers"]
 
@@ -76,11 +80,12 @@ _CLASSES = (
     "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention",
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
 )
-_PARAMETERS = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values", "position_ids")
+_CACHE = cache_parameter("past_key_values")
+_PARAMETERS = ("self", "hidden_states", "position_embeddings", "attention_mask", _CACHE, "position_ids")
 # What the forward must read for the replaced inputs to be used as described in the Note.
 _READS = ("ALL_ATTENTION_FUNCTIONS", "get_interface", "update", "indexer", "kv_lora_rank")
 _INDEXER_PARAMETERS = (
-    "self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", "past_key_values",
+    "self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", _CACHE,
 )
 _INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 # transformers' packed-batch kwargs: positions within the shard, not the sequence.
@@ -101,9 +106,10 @@ class _WholeSequence:
     def __init__(self, state: ParallelState, seq_len: int, name: str) -> None:
         self.state, self.seq_len, self.name = state, seq_len, name
 
-    def update(self, key_pass: Tensor, key_rot: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+    def update(self, key_pass: Tensor, key_rot: Tensor, layer_idx: int, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """The latent ``[B, 1, S_local, kv_lora_rank]`` and ``k_rot [B, 1, S_local, rope]`` of the
-        whole sequence (one all-gather; backward reduce-scatters)."""
+        whole sequence (one all-gather; backward reduce-scatters). ``kwargs``: what transformers
+        5.24 hands a cache along (the layer's call kwargs), for a cache to store by; nothing here."""
         if key_pass.ndim != 4 or key_rot.ndim != 4 or key_pass.shape[:3] != key_rot.shape[:3]:
             raise _shape_error(self.name, f"hands its cache latents {tuple(key_pass.shape)} and {tuple(key_rot.shape)}")
         whole = unshard(torch.cat([key_pass, key_rot], dim=-1), self.state, dim=2, size=self.seq_len)
@@ -150,13 +156,13 @@ def _shape_error(name: str, what: str) -> NotImplementedError:
     import transformers
 
     return NotImplementedError(
-        f"seqpar: {name}'s forward {what}; its adapter was written against transformers 5.23 "
+        f"seqpar: {name}'s forward {what}; its adapter was written against transformers 5.23 and 5.24 "
         f"(installed: {transformers.__version__}). Run the model with attn_implementation='sdpa' on one "
         "device, or report the version"
     )
 
 
-def _refuse_call(module: nn.Module, cache: object, mask: object, kwargs: dict[str, Any]) -> None:
+def _refuse_call(module: nn.Module, cache: object, cache_name: str, mask: object, kwargs: dict[str, Any]) -> None:
     """Refuse what this adapter does not run (from the call's arguments: the same on every rank).
 
     Raises:
@@ -169,7 +175,7 @@ def _refuse_call(module: nn.Module, cache: object, mask: object, kwargs: dict[st
     if cache is not None:
         raise NotImplementedError(
             f"seqpar: {name} (DeepSeek sparse attention) with seqpar's attention does not support a cache "
-            f"(past_key_values={type(cache).__name__}): the indexer's keys and the latent would have to be "
+            f"({cache_name}={type(cache).__name__}): the indexer's keys and the latent would have to be "
             "cached per rank. Call the model with use_cache=False; decode with attn_implementation='sdpa'"
         )
     packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
@@ -226,6 +232,7 @@ def _install(module: nn.Module, state: ParallelState) -> None:
     if not callable(inspect.getattr_static(cls, "expand_kv", None)):
         raise refuse_adapting(cls, "it has no expand_kv (the latent's expansion)")
     rebound = rebind_forward(module, {_INTERFACE: _SELECTED})
+    cache_name = parameter_name(cls, _CACHE)  # where the forward takes the cache (written below)
     original = cls.forward
     signature = inspect.signature(original)
     name = cls.__name__
@@ -239,13 +246,16 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         call = signature.bind(self, *args, **kwargs)
         arguments = call.arguments
         mask, extra = arguments.get("attention_mask"), arguments.get("kwargs", {})
-        _refuse_call(self, arguments.get("past_key_values"), mask, extra)
+        _refuse_call(self, *call_cache(arguments, _CACHE), mask, extra)
         hidden = arguments["hidden_states"]
         seq_len = _global_length(hidden.shape[1], state, hidden.device)
         positions = shard_positions(seq_len, state, device=hidden.device)
         causal = positions[:, None] >= torch.arange(seq_len, device=hidden.device)[None, :]
         arguments["attention_mask"] = causal[None, None]
-        arguments["past_key_values"] = _WholeSequence(state, seq_len, name)
+        arguments[cache_name] = _WholeSequence(state, seq_len, name)
+        for other in _CACHE:  # None here (a cache is refused above); deprecate_kwarg would warn of both names
+            if other != cache_name:
+                extra.pop(other, None)
         return rebound(*call.args, **call.kwargs)
 
     set_forward(module, forward)
