@@ -2,6 +2,7 @@
 
 Commands:
     demo    hybrid ring x Ulysses attention on local ranks, verified against one device
+    check   every mode on this cluster's ranks (torchrun) or local ranks: exactness, time, bandwidth
     info    versions, devices, attention backends, and the degree planner's choice for a shape
 """
 
@@ -163,7 +164,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the chosen command; returns the exit code."""
-    from .tools import demo  # imported here: the command line only
+    from .tools import check, demo  # imported here: the command line only
 
     parser = argparse.ArgumentParser(
         prog="python -m seqpar", description="seqpar: exact sequence/context parallelism for attention."
@@ -177,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.run)
+    check_parser = commands.add_parser(
+        "check",
+        help="check every mode on this cluster's ranks against one device: exactness, time, bandwidth",
+        description=check.help_description(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_arguments(check_parser)
+    check_parser.set_defaults(func=check.run)
     info_parser = commands.add_parser(
         "info",
         help="show versions, devices, attention backends and the degree planner's choice for a shape",

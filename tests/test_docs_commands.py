@@ -31,6 +31,7 @@ RUN = [
     "python scripts/example_pipeline.py --model wan2.2 --world 3 --ring 3",
     "python scripts/calibrate.py --local 4 --out cost.json",
     "python -m seqpar info --cost cost.json --cp-size 16 --seq-len 262144 --heads 32 --kv-heads 8",
+    "python -m seqpar check --world-size 4",
 ]
 
 # Commands not run here, each with the reason.
@@ -59,6 +60,9 @@ NOT_RUN = {
     "python -m torch.distributed.run --nproc-per-node 8 scripts/bench_attention.py": _EIGHT,
     "python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 ... scripts/calibrate.py --out cost.json":
         "two nodes (the '...' stands for the rendezvous arguments of a cluster)",
+    "python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 ... -m seqpar check --json check.json":
+        "two nodes (the '...' stands for the rendezvous arguments of a cluster); the same check on local ranks "
+        "runs, and under torchrun in tests/test_check_command.py",
     "bash scripts/gpu_check --out gpu_check_out": _GPU,
     "bash scripts/gpu_check --quick --budget 7 --python python3 --out /tmp/gc": _GPU,
     "bash scripts/gpu_check --cpu-smoke --out /tmp/smoke": "runs in tests/test_one_rank.py::test_gpu_check_cpu_smoke",

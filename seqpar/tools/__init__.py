@@ -8,6 +8,7 @@ Nothing here is imported by ``import seqpar``; import the module you need:
 - :mod:`.calibration`: ``calibrate``, the degree planner's measurements (``seqpar.planner.calibrate``);
 - :mod:`.longest`: one rank of a Llama-shaped decoder stack and its peak memory (``scripts/bench_longest.py``);
 - :mod:`.demo`: ``python -m seqpar demo``;
+- :mod:`.check`: ``python -m seqpar check``, every mode against one device on a cluster, links, a recommendation;
 - :mod:`.models`: tiny reference models (a video DiT, small ``transformers`` configs, tiny diffusers pipelines);
 - :mod:`.bench`: what the benchmarks under ``scripts/`` share: launching ranks, inputs, warnings;
 - :mod:`.report`: their output: tables, the JSON line, ``--plot`` charts, readable ``--help``;
