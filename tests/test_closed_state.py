@@ -11,7 +11,6 @@ import torch
 import seqpar
 from seqpar import ParallelState
 from seqpar.backends.reference import reference_attention
-from seqpar.tools.testing import DistPool
 
 S, H, D = 19, 4, 8
 # (ring, ulysses, options) on 4 ranks: sub-groups of a hybrid, a ring over the whole world, a
@@ -65,9 +64,8 @@ def _rank_closed(ring: int, ulysses: int, options: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistPool(4, timeout_s=30) as p:  # a rank left waiting fails the test in seconds
-        yield p
+def pool(short_pools):
+    return short_pools(4)  # a rank left waiting fails the test in seconds
 
 
 @pytest.mark.parametrize("ring,ulysses,options", CASES)

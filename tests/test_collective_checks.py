@@ -18,27 +18,11 @@ import torch.nn.functional as F
 from seqpar import ParallelState, shard
 from seqpar.backends import reference_attention
 from seqpar.inference import KVCache, decode, prefill
-from seqpar.tools.testing import DistPool
 from seqpar.training import global_loss, linear_cross_entropy, sharded_cross_entropy
 
 TOL = 1e-10
 # (ring, ulysses) splits run in each world; the last CP rank is the one that differs
 _SPLITS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
-
-
-@pytest.fixture(scope="module")
-def short_pools():
-    """One pool per world size with a 20 s collective timeout: a rank left waiting fails fast."""
-    made: dict[int, DistPool] = {}
-
-    def get(world: int) -> DistPool:
-        if world not in made:
-            made[world] = DistPool(world, timeout_s=20)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _outcome(fn) -> str:

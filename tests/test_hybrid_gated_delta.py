@@ -12,6 +12,7 @@ seqpar.verify finds every module of an LFM2 and a Qwen3-Next model exact on 2 x 
 """
 
 import contextlib
+from datetime import timedelta
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import generate, register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
 from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 from seqpar.verify import verify  # noqa: E402
 
@@ -138,7 +138,7 @@ def _run(worlds, references, refusals: bool):
     """Per world ``(ring, ulysses)``: this rank's errors and refusals per family."""
     out = []
     for ring, ulysses in worlds:
-        state = ParallelState(ring, ulysses)
+        state = ParallelState(ring, ulysses, timeout=timedelta(seconds=60))  # a rank left waiting fails
         name = register(state, name=f"seqpar-test-hybrid-{ring}x{ulysses}")
         try:
             errors, refused = {}, {}
@@ -172,19 +172,17 @@ def _check(worlds, per_rank):
         assert all(r[w][1] == refusals for r in per_rank), worlds[w]  # the same error on every rank
 
 
-def test_hybrid_families_exact_2x2():
+def test_hybrid_families_exact_2x2(pools):
     worlds = [(2, 2)]
-    with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_run, worlds, _references(FAMILIES), True)
+    per_rank = pools(4).run(_run, worlds, _references(FAMILIES), True)
     _check(worlds, per_rank)
 
 
 @pytest.mark.slow  # ~1 min on 2 shared cores: 7 families, 4 worlds
 @pytest.mark.parametrize("worlds", [[(1, 4), (4, 1)], [(3, 1), (1, 3)]], ids=["1x4+4x1", "3x1+1x3"])
-def test_hybrid_families_exact_on_shards(worlds):
+def test_hybrid_families_exact_on_shards(pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    with DistPool(size, timeout_s=60) as pool:
-        per_rank = pool.run(_run, worlds, _references(FAMILIES), False)
+    per_rank = pools(size).run(_run, worlds, _references(FAMILIES), False)
     _check(worlds, per_rank)
 
 

@@ -13,6 +13,8 @@ with a cache and packed batches are refused with the same error on every rank, n
 (short collective timeout).
 """
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +26,6 @@ from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import generate, register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
 from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
 VOCAB = 97
@@ -128,7 +129,7 @@ def _run(worlds, families, checks: bool):
     """Per world ``(ring, ulysses)``: this rank's errors (and refusals, verify's verdict)."""
     out = []
     for ring, ulysses in worlds:
-        state = ParallelState(ring, ulysses)
+        state = ParallelState(ring, ulysses, timeout=timedelta(seconds=60))  # a rank left waiting fails
         name = register(state, name=f"seqpar-test-linear-attention-{ring}x{ulysses}")
         try:
             extra = (_refusals(state, name, families), _verified(state, name)) if checks else ({}, (True, ""))
@@ -158,19 +159,17 @@ def _check(worlds, per_rank):
         assert all(r[w][1] == refusals for r in per_rank), worlds[w]  # the same error on every rank
 
 
-def test_linear_attention_families_exact_2x2():
+def test_linear_attention_families_exact_2x2(pools):
     worlds = [(2, 2)]
-    with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_run, worlds, FAMILIES, True)
+    per_rank = pools(4).run(_run, worlds, FAMILIES, True)
     _check(worlds, per_rank)
 
 
 @pytest.mark.slow  # ~1 min on 2 shared cores: 3 families, 3 worlds
 @pytest.mark.parametrize("worlds", [[(1, 4), (4, 1)], [(3, 1)]], ids=["1x4+4x1", "3x1"])
-def test_linear_attention_families_exact_on_shards(worlds):
+def test_linear_attention_families_exact_on_shards(pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    with DistPool(size, timeout_s=60) as pool:
-        per_rank = pool.run(_run, worlds, FAMILIES, False)
+    per_rank = pools(size).run(_run, worlds, FAMILIES, False)
     _check(worlds, per_rank)
 
 

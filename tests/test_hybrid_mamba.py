@@ -17,6 +17,7 @@ that differs from the one read) raise the same error on every rank; no rank is l
 
 import contextlib
 import importlib
+from datetime import timedelta
 
 import pytest
 import torch
@@ -30,7 +31,6 @@ from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
 from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
 VOCAB = 97
@@ -213,7 +213,7 @@ def _run(worlds, families, quick: bool):
     the float32 kernels' errors, the refusals and ``seqpar.verify``'s verdict."""
     out = []
     for ring, ulysses in worlds:
-        state = ParallelState(ring, ulysses)
+        state = ParallelState(ring, ulysses, timeout=timedelta(seconds=90))  # a rank left waiting fails
         name = register(state, name=f"seqpar-test-mamba-{ring}x{ulysses}")
         try:
             with _float64_islands():
@@ -267,17 +267,15 @@ def test_one_rank_unchanged():
         assert torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits), family
 
 
-def test_mamba_families_2x2():
+def test_mamba_families_2x2(pools):
     worlds = [(2, 2)]
-    with DistPool(4, timeout_s=90) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_run, worlds, HYBRID + PLAIN, True)
+    per_rank = pools(4).run(_run, worlds, HYBRID + PLAIN, True)
     _check(worlds, per_rank, True)
 
 
 @pytest.mark.slow  # several minutes on 2 shared cores: 8 families, 3 more splits
 @pytest.mark.parametrize("worlds", [[(1, 4), (4, 1)], [(3, 1)]], ids=["1x4+4x1", "3x1"])
-def test_mamba_families_on_splits(worlds):
+def test_mamba_families_on_splits(pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    with DistPool(size, timeout_s=90) as pool:
-        per_rank = pool.run(_run, worlds, HYBRID + PLAIN, False)
+    per_rank = pools(size).run(_run, worlds, HYBRID + PLAIN, False)
     _check(worlds, per_rank, False)

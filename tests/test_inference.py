@@ -144,14 +144,16 @@ def _rank_balance(ring: int, ulysses: int, prompt: int, steps: int) -> dict:
     }
 
 
-def test_cache_stays_balanced_over_1000_steps(pools):
+def test_cache_stays_balanced_over_many_decode_steps(pools):
+    # 300 steps: each rank's share grows by 75-100 rows, several buffer growths (1000 steps took a
+    # minute of the quick subset and asserted the same bounds)
     for ring, ulysses in [(2, 2), (3, 1)]:
         world = ring * ulysses
-        results = pools(world).run(_rank_balance, ring, ulysses, 2001, 1000)
+        results = pools(world).run(_rank_balance, ring, ulysses, 2001, 300)
         for rank, r in enumerate(results):
             assert r["counts"] == results[0]["counts"], "every rank must know the same counts"
             assert max(r["counts"][0]) - min(r["counts"][0]) <= 1
-            assert sum(r["counts"][0]) == 3001 and r["rows"][0] == r["counts"][0][rank]
+            assert sum(r["counts"][0]) == 2301 and r["rows"][0] == r["counts"][0][rank]
             assert r["prefill_bytes"] <= 1.1 * r["ideal_prefill"], (rank, r)
             assert r["bytes"] <= 1.1 * r["ideal"], (rank, r)
 

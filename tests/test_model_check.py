@@ -21,7 +21,6 @@ from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_guard import token_mixers  # noqa: E402
 from seqpar.tools.models.hf_configs import HF_MIXER_FAMILIES, causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 
 VOCAB = 97
 SEQ_LEN = 13
@@ -183,18 +182,17 @@ def _check_refusals(per_rank: list[dict[str, tuple[str, str]]]) -> None:
         assert results == first, rank
 
 
-def test_mixer_families_and_unhonoured_arguments_refused_on_every_rank_2x2():
-    with DistPool(4, timeout_s=30) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_rank_refusals, 2, 2)
-        attention = pool.run(_rank_attention_refusals, 2, 2)
+def test_mixer_families_and_unhonoured_arguments_refused_on_every_rank_2x2(short_pools):
+    pool = short_pools(4)  # a rank left waiting fails within the timeout
+    per_rank = pool.run(_rank_refusals, 2, 2)
+    attention = pool.run(_rank_attention_refusals, 2, 2)
     _check_refusals(per_rank)
     _check_attention_refusals(attention)
 
 
 @pytest.mark.slow  # another spawn of three ranks: ~30 s on 2 shared cores
-def test_mixer_families_refused_on_every_rank_3_ranks():
-    with DistPool(3, timeout_s=30) as pool:
-        per_rank = pool.run(_rank_refusals, 3, 1)
+def test_mixer_families_refused_on_every_rank_3_ranks(short_pools):
+    per_rank = short_pools(3).run(_rank_refusals, 3, 1)
     _check_refusals(per_rank)
 
 

@@ -70,12 +70,12 @@ def _check_plan(placement: Placement, mask: Mask, varlen: bool) -> None:
             assert len(rows) == (len(k_ids) if i == 0 else step.kv_len)
             got = [(a, rows[b]) for a, b in _covered(step)]
             assert len(got) == len(set(got)), "a pair is computed twice"
-            want = {
-                (a, b)
-                for a, b in itertools.product(range(len(q_ids)), range(len(k_ids)))
-                if q_ids[a] == k_ids[b]
-                and bool(mask.allows(torch.tensor([q_pos[a]]), torch.tensor([k_pos[b]]))[0, 0])
-            }
+            # Every (query row, key row) pair of one sequence that the mask allows; allows() is
+            # elementwise, so one call over all rows is the pair-by-pair definition.
+            ids_q, ids_k = torch.tensor(q_ids, dtype=torch.int64), torch.tensor(k_ids, dtype=torch.int64)
+            same_seq = ids_q[:, None] == ids_k[None, :]
+            allowed = mask.allows(torch.tensor(q_pos, dtype=torch.int64), torch.tensor(k_pos, dtype=torch.int64))
+            want = set(map(tuple, (same_seq & allowed).nonzero().tolist()))
             assert set(got) == want, (placement, mask, r, i)
             assert tile_pairs(step.tiles) == len(want)
             if not step.calls:

@@ -11,6 +11,8 @@ tests see what verify finds by itself; the same mixer written with ``cumsum`` is
 model check first, on every rank, and verify raises that refusal.
 """
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,9 @@ from torch import nn
 
 import seqpar
 from seqpar import ParallelState
-from seqpar.tools.testing import DistPool
 from seqpar.verify import VerificationError
+
+_TIMEOUT = timedelta(seconds=60)  # the states' collectives: a rank left waiting fails the test
 
 SEQ_LEN = 37
 
@@ -101,7 +104,7 @@ def _outcome(fn) -> tuple[bool, str]:
 def _llama_cases(ring: int, ulysses: int) -> dict[str, object]:
     from seqpar.integrations.transformers import register
 
-    state = ParallelState(ring_size=ring, ulysses_size=ulysses)
+    state = ParallelState(ring_size=ring, ulysses_size=ulysses, timeout=_TIMEOUT)
     name = register(state)
     out: dict[str, object] = {}
     model = _llama(name).train()
@@ -163,7 +166,7 @@ def _vit_seeded(seed: int) -> nn.Module:
 
 
 def _sdpa_cases(ring: int, ulysses: int) -> dict[str, object]:
-    state = ParallelState(ring_size=ring, ulysses_size=ulysses)
+    state = ParallelState(ring_size=ring, ulysses_size=ulysses, timeout=_TIMEOUT)
     tokens = torch.randn(2, SEQ_LEN, 16, generator=torch.Generator().manual_seed(1))
     out = {
         "good": _outcome(lambda: seqpar.verify(_vit(None), state, tokens)),
@@ -177,7 +180,7 @@ def _refusals(ring: int, ulysses: int) -> dict[str, str]:
     """The ValueError of each bad call (every rank must raise, none may wait)."""
     from seqpar.integrations.transformers import register
 
-    state = ParallelState(ring_size=ring, ulysses_size=ulysses)
+    state = ParallelState(ring_size=ring, ulysses_size=ulysses, timeout=_TIMEOUT)
     name = register(state)
     rank = state.cp_rank
     calls = {
@@ -201,16 +204,14 @@ def _refusals(ring: int, ulysses: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def pool4():
-    with DistPool(4, timeout_s=60) as pool:
-        yield pool
+def pool4(pools):
+    return pools(4)  # the session's ranks: a spawn that imports transformers costs ~20 s per rank
 
 
 @pytest.fixture(scope="module")
-def pool3():
+def pool3(pools):
     pytest.importorskip("transformers")
-    with DistPool(3, timeout_s=60) as pool:
-        yield pool
+    return pools(3)
 
 
 def _same_on_every_rank(results: list[dict[str, object]], key: str) -> object:
