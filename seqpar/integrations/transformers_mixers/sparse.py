@@ -69,6 +69,7 @@ from ...placement import Mask, Placement
 from ...sharding import shard_positions, unshard
 from ...state import ParallelState
 from . import register_adapter
+from .gated_delta import PACKED_KWARGS  # the same packed-batch kwargs every adapter refuses
 from .rebind import (
     cache_parameter, call_cache, checked_forward, original_kernels, parameter_name, rebind_forward, refuse_adapting,
     set_forward,
@@ -88,8 +89,6 @@ _INDEXER_PARAMETERS = (
     "self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", _CACHE,
 )
 _INTERFACE = "ALL_ATTENTION_FUNCTIONS"
-# transformers' packed-batch kwargs: positions within the shard, not the sequence.
-_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 # Kwargs the layer's forward hands on to attention that do not change what it computes; any other
 # that is not None is refused (it would be dropped here).
 _PASS_THROUGH_KWARGS = frozenset({
@@ -178,7 +177,7 @@ def _refuse_call(module: nn.Module, cache: object, cache_name: str, mask: object
             f"({cache_name}={type(cache).__name__}): the indexer's keys and the latent would have to be "
             "cached per rank. Call the model with use_cache=False; decode with attn_implementation='sdpa'"
         )
-    packed = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
+    packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
     if packed:
         raise NotImplementedError(
             f"seqpar: {name} (DeepSeek sparse attention) does not support packed batches ({', '.join(packed)}) "
