@@ -48,6 +48,7 @@ def post(
     Empty tensors are skipped (the peer skips its matching empty one too).
     """
     ranks = dist.get_process_group_ranks(group) if group is not None else None
+    _check_backend(group, [t for _, t in sends] + [t for _, t in recvs])
     keep = [t.contiguous() for _, t in sends]
     ops = []
     for (peer, _), t in zip(sends, keep):
@@ -59,3 +60,17 @@ def post(
         if t.numel():
             ops.append(dist.P2POp(dist.irecv, t, ranks[peer] if ranks else peer, group=group))
     return Pending(dist.batch_isend_irecv(ops) if ops else [], keep)
+
+
+def _check_backend(group: Group, tensors: Sequence[torch.Tensor]) -> None:
+    """``ValueError`` for CUDA tensors on a gloo group: gloo sends host memory only, and a device
+    pointer handed to it fails inside gloo ("writev ... Bad address") on one rank while its peer sees
+    the connection close. Every rank of a ring posts the same device type, so all raise here."""
+    cuda = next((t for t in tensors if t.is_cuda), None)
+    if cuda is None or dist.get_backend(group) != "gloo":
+        return
+    raise ValueError(
+        f"seqpar ring: the process group's backend is gloo, which cannot send CUDA tensors point to point "
+        f"(got {tuple(cuda.shape)} on {cuda.device}); initialise the group with NCCL for CUDA tensors "
+        '(init_process_group("nccl")), or keep the tensors on the CPU'
+    )
