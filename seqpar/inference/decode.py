@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 from ..checks import check_alibi_slopes, check_mask_options, check_scale
-from ..comm import all_gather, exchange_ints
-from ..parallel.merge import accumulator_dtype, add_sinks, merge_
+from ..comm import exchange_ints
+from ..parallel.merge import accumulator_dtype, add_sinks, merge_over_group
 from ..placement import Mask, Placement
 from ..prepare import collective_checks
 from .cache import KVCache, keep_from
@@ -279,23 +279,6 @@ def attend_rows(
     return out, lse
 
 
-def _merge_over_group(out: Tensor, lse: Tensor, state, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Exact merge of every CP rank's partial ``(out, lse)``, in ``cp_rank`` order (the same bits on
-    every rank); sinks added once."""
-    if state.cp_size > 1:
-        b, t, h, dv = out.shape
-        flat = torch.cat([out.reshape(b, -1), lse.reshape(b, -1)], dim=1)[None]  # [1, B, t*h*(dv+1)]
-        parts = all_gather(flat, state.cp_group, 0, [1] * state.cp_size)  # [N, B, ...]
-        out_all = parts[..., : t * h * dv].reshape(state.cp_size, b, t, h, dv)
-        lse_all = parts[..., t * h * dv:].reshape(state.cp_size, b, h, t)
-        out, lse = out_all[0].clone(), lse_all[0].clone()
-        for r in range(1, state.cp_size):
-            merge_(out, lse, out_all[r], lse_all[r])
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks)
-    return out, lse
-
-
 def _options(q: Tensor, softmax_scale: float | None, sinks: Tensor | None, where: str) -> float:
     h, d = q.shape[2], q.shape[3]
     if sinks is not None and (not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != h):
@@ -506,6 +489,9 @@ def decode(
         out, lse = attend_rows(
             q, q_pos, rows.keys, rows.values, rows.positions, mask, scale=scale, softcap=softcap, alibi_slopes=slopes
         )
-    out, _ = _merge_over_group(out, lse, cache.state, sinks)
+    if cache.state.cp_size > 1:
+        out, lse = merge_over_group(out, lse, cache.state.cp_group)
+    if sinks is not None:
+        out, _ = add_sinks(out, lse, sinks)
     rows.drop_before(keep_from(mask.normalised(first + t), first + t - 1))
     return out.to(q.dtype)

@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 
 from ..backends.base import lse_dtype as accumulator_dtype
+from ..comm import Group, reduce_
 
-__all__ = ["accumulator_dtype", "new_accumulators", "merge_", "merge", "add_sinks", "sinks_grad"]
+__all__ = ["accumulator_dtype", "new_accumulators", "merge_", "merge", "merge_over_group", "add_sinks", "sinks_grad"]
 
 
 def new_accumulators(
@@ -128,6 +129,26 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
     lse = lse_a.to(acc, copy=True)
     merge_(out, lse, out_b, lse_b)
     return out, lse
+
+
+def merge_over_group(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, Tensor]:
+    """The merged ``(out [B, P, H, Dv], lse [B, H, P])`` of every rank's partial result over ``group``,
+    in the accumulator dtype, the same bits on every rank (all-reduces hand every rank the same sum).
+
+    Two all-reduces, whatever the group's size: the max LSE, then the weighted outputs and their
+    weights ``exp(lse - max)`` in one flat buffer (an all-gather of every rank's part would grow
+    with the group). Rows no rank saw stay ``out = 0``, ``lse = -inf``. No autograd: the callers
+    write their backward from the final ``(out, lse)``."""
+    acc = accumulator_dtype(out.dtype)
+    lse = lse.to(acc)
+    top = reduce_(lse.clone(), group, "max")
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    weight = torch.exp(lse - top)  # [B, H, P]
+    flat = torch.cat([(out.to(acc) * weight.transpose(1, 2).unsqueeze(-1)).flatten(), weight.flatten()])
+    reduce_(flat, group, "sum")
+    total = flat[out.numel():].view_as(weight)
+    merged = flat[: out.numel()].view(out.shape) / total.clamp(min=torch.finfo(acc).tiny).transpose(1, 2).unsqueeze(-1)
+    return merged, top + torch.log(total)
 
 
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

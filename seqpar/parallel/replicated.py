@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..backends.base import KernelBackend, empty_forward
 from ..comm import Group, reduce_
-from .merge import accumulator_dtype, add_sinks, merge, sinks_grad
+from .merge import accumulator_dtype, add_sinks, merge, merge_over_group, sinks_grad
 
 __all__ = ["ReplicatedSetup", "replicated_forward", "replicated_backward"]
 
@@ -61,20 +61,6 @@ def _block_backward(run: ReplicatedSetup, dout, q, k, v, out, lse) -> tuple[Tens
     )
 
 
-def _merge_over_group(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, Tensor]:
-    """LSE-merge ``(out [B, P, H, Dv], lse [B, H, P])`` of every rank of ``group``."""
-    acc = accumulator_dtype(out.dtype)
-    lse = lse.to(acc)
-    top = reduce_(lse.clone(), group, "max")
-    top = top.masked_fill(top == float("-inf"), 0.0)
-    weight = torch.exp(lse - top)  # [B, H, P]
-    flat = torch.cat([(out.to(acc) * weight.transpose(1, 2).unsqueeze(-1)).flatten(), weight.flatten()])
-    reduce_(flat, group, "sum")
-    total = flat[out.numel():].view_as(weight)
-    merged = flat[: out.numel()].view(out.shape) / total.clamp(min=torch.finfo(acc).tiny).transpose(1, 2).unsqueeze(-1)
-    return merged, top + torch.log(total)
-
-
 def replicated_forward(
     q: Tensor, k_rep: Tensor, v_rep: Tensor, k_loc: Tensor, v_loc: Tensor, sinks: Tensor | None,
     run: ReplicatedSetup,
@@ -96,7 +82,7 @@ def replicated_forward(
     """
     out_t, lse_t = _block(run, q, k_rep, v_rep)  # the same on every rank
     out_l, lse_l = _block(run, q, k_loc, v_loc)  # this rank's image shard
-    out_l, lse_l = _merge_over_group(out_l, lse_l, run.group)
+    out_l, lse_l = merge_over_group(out_l, lse_l, run.group)
     out, lse = merge(out_t, lse_t, out_l, lse_l)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
