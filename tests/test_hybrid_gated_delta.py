@@ -6,8 +6,10 @@ on token shards with their mixers head-parallel (seqpar.integrations.transformer
 logits and CP-summed parameter gradients equal the one-device sdpa model's, at an odd length (37)
 under ring x Ulysses 2 x 2 (quick), 1 x 4, 4 x 1, 3 x 1 and 1 x 3 (slow). The gated delta nets have
 6 V heads reading 2 K heads of another head dim, so K heads are cut between ranks.
-Decoding with a cache (a forward with use_cache=True, seqpar's generate) and packed batches are
-refused with the same error on every rank, none left waiting (short collective timeout), and
+Decoding with a cache (a forward with use_cache=True, seqpar's generate) and packed batches (for
+the short convolutions; the gated delta nets run them, tests/test_hybrid_packed.py, and refuse these
+per-rank boundaries) are refused with the same error on every rank, none left waiting (short
+collective timeout), and
 seqpar.verify finds every module of an LFM2 and a Qwen3-Next model exact on 2 x 2. With one rank nothing changes.
 """
 
@@ -38,6 +40,9 @@ FLOAT32_TOL = 1e-6
 # 6 V heads of dim 4 reading 2 K heads of dim 8: over 4 ranks (V heads split 2, 2, 1, 1) cp rank 1
 # reads both K heads, each of which other ranks read too.
 GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=4)
+# Families that run packed batches (tests/test_hybrid_packed.py): a packed call with each rank's own
+# boundaries is a ValueError there, a NotImplementedError elsewhere.
+PACKED = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
 FAMILIES = {
     "qwen3_next": GATED_DELTA,
     "qwen3_5_text": GATED_DELTA,
@@ -167,6 +172,9 @@ def _check(worlds, per_rank):
         refusals = per_rank[0][w][1]
         for family, calls in refusals.items():
             for what, (kind, message) in calls.items():
+                if what == "packed" and family in PACKED:  # runs packed batches: these boundaries are wrong
+                    assert kind == "ValueError" and "cu_seq_lens_q" in message, (family, what, kind, message)
+                    continue
                 want = "packed batches" if what == "packed" else "does not support a cache"
                 assert kind == "NotImplementedError" and want in message, (family, what, kind, message)
         assert all(r[w][1] == refusals for r in per_rank), worlds[w]  # the same error on every rank

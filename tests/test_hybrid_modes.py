@@ -7,7 +7,7 @@ logits and CP-summed parameter gradients equal the one-device sdpa model's and e
 odd length (37) under ring x Ulysses 2 x 2 (quick), 3 x 1 and 1 x 4 (slow). ``mixing="auto"``
 runs state passing where the ranks outnumber the heads (bitwise the state-passing mode's logits,
 exact) and head-parallel where its bytes are fewer; ``seqpar...transformers_mixers.mixing_modes``
-says which ran. A bad mode name, and state passing for a mixer without it (Mamba2), are a
+says which ran. A bad mode name, and state passing for a mixer without it (xLSTM's mLSTM), are a
 ValueError on every rank.
 
 transformers' torch fallback of the gated delta rule computes in float32 whatever the model's
@@ -218,9 +218,9 @@ def _auto_and_refusals(state, names, references, ring, ulysses):
     out["bad_register"] = _error(lambda: register(state, name="seqpar-test-modes-bad", mixing="ring"))
     out["bad_install"] = _error(lambda: install(_build("lfm2", "sdpa"), state, mixing="state-passing"))
     torch.manual_seed(0)
-    mamba = causal_lm_class("mamba2")._from_config(tiny_hf_config("mamba2", vocab_size=VOCAB))
-    out["no_state_passing"] = _error(lambda: install(mamba, state, mixing="state_passing"))
-    out["mamba_auto"] = _error(lambda: install(mamba, state, mixing="auto"))
+    xlstm = causal_lm_class("xlstm")._from_config(tiny_hf_config("xlstm", vocab_size=VOCAB))
+    out["no_state_passing"] = _error(lambda: install(xlstm, state, mixing="state_passing"))
+    out["mamba_auto"] = _error(lambda: install(xlstm, state, mixing="auto"))
     return out
 
 
@@ -249,7 +249,7 @@ def _check_auto(per_rank):
     assert first["bad_register"][0] == "ValueError" and "'ring'" in first["bad_register"][1], first["bad_register"]
     assert "'auto', 'head_parallel', 'state_passing'" in first["bad_install"][1], first["bad_install"]
     kind, message = first["no_state_passing"]
-    assert kind == "ValueError" and "Mamba2Mixer" in message and "'head_parallel' only" in message, message
+    assert kind == "ValueError" and "xLSTMBackend" in message and "'head_parallel' only" in message, message
     assert first["mamba_auto"] == ("ran", ""), first["mamba_auto"]  # auto: head-parallel where that is all
     for key in ("bad_register", "bad_install", "no_state_passing"):
         assert all(extra[key] == first[key] for extra in extras), key  # the same error on every rank

@@ -66,7 +66,8 @@ shards (with one token per rank every block is ``[[True]]``, causal and all-atte
 block is also that of a sliding window wider than the shard). On one rank the plain causal pattern
 (bool lower triangle, or additive ``0``/``-inf``) is read as ``causal=True``, an all-attend mask as
 ``causal=False``, anything else rejected. Padding masks, full-length 2-D masks next to sharded ids,
-dropout, KV caches, position biases and packed-batch kwargs are refused.
+dropout, KV caches and position biases are refused; packed-batch kwargs run with the global
+boundaries (Note [Packed sequences in transformers models]).
 
 The global length is not known to a rank without communication (Note [Global length] in
 ``seqpar.attention``), so every layer passes ``seq_len=None`` when ``cp_size > 1`` and
@@ -119,6 +120,7 @@ import copy
 import functools
 import math
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -165,14 +167,12 @@ _PASS_THROUGH_KWARGS = frozenset({
 # Any other kwarg that is not None is refused too (Note [transformers attention on shards]).
 _UNSUPPORTED_KWARGS = {
     "position_bias": "position biases (T5-style relative attention)",
-    "cu_seq_lens_q": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
-    "cu_seq_lens_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
-    "max_length_q": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
-    "max_length_k": "packed batches (flash-attn varlen kwargs); use seqpar.varlen_attention",
-    "seq_idx": "packed batches (a sequence index per token); use seqpar.varlen_attention",
     "indices": "keys selected per query by an indexer (DeepSeek sparse attention)",
     "block_indices": "key blocks selected per query by an indexer (block-sparse attention)",
 }
+# transformers' packed-batch kwargs (DataCollatorWithFlattening): honoured together, with the
+# global cu_seq_lens_q (Note [Packed sequences in transformers models]); refused anywhere else.
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _ABSENT = object()
 # The module registration hook that gives seqpar models their checks (installed by the first
 # register; Note [transformers model checks] in seqpar.integrations.transformers_guard).
@@ -212,11 +212,15 @@ class RecognisedMask:
         mask: the pattern in global positions, normalised for ``grid`` positions.
         grid: how many global positions were probed (at least the global sequence length).
         model: the model type the mask was built for (from its config), for messages.
+        packed: transformers wrapped the pattern for packed sequences (positions that restart,
+            not this rank's global positions): ``mask`` holds within each sequence, and the
+            layers need the call's ``cu_seq_lens_q`` (Note [Packed sequences in transformers models]).
     """
 
     mask: Mask
     grid: int
     model: str = field(default="", compare=False, repr=False)
+    packed: bool = False
 
     def _misuse(self, what: str) -> MaskUsedAsTensor:
         model = self.model or "this"
@@ -436,15 +440,15 @@ def _mask_kind(mask: Tensor, q_len: int, kv_len: int) -> bool | None:
     return None
 
 
-def _check_positions(position_ids: Tensor, state: ParallelState) -> None:
-    """Raise unless every row of ``position_ids`` is ``shard_positions(S, state)`` for some ``S``.
+def _are_shard_positions(position_ids: Tensor, state: ParallelState) -> bool:
+    """Whether every row of ``position_ids`` is ``shard_positions(S, state)`` for some ``S``.
 
-    One device-to-host copy; no collective (safe to raise on one rank only). The candidates for
-    ``S`` are the few lengths whose placement gives this rank as many tokens as it holds.
+    One device-to-host copy; no collective. The candidates for ``S`` are the few lengths whose
+    placement gives this rank as many tokens as it holds.
     """
     n = position_ids.shape[-1]
     if n == 0:
-        return
+        return True
     rows = position_ids.detach().reshape(-1, n).cpu()
     cp = state.cp_size
     for seq_len in range(max(int(rows.max()) + 1, cp * (n - 2) + 1, 0), cp * (n + 2)):
@@ -452,12 +456,27 @@ def _check_positions(position_ids: Tensor, state: ParallelState) -> None:
         if placement.shard_lengths[state.cp_rank] == n and bool(
             (rows == placement.global_index(state.cp_rank)).all()
         ):
-            return
-    raise ValueError(
-        f"seqpar attention (cp rank {state.cp_rank} of {state.cp_size}): position_ids "
-        f"{rows[0, :8].tolist()}... are not this rank's global positions of any sequence; pass "
-        "position_ids=seqpar.shard_positions(S, state)[None] with the sharded input_ids (packed "
-        "sequences whose positions restart need seqpar.varlen_attention, not this integration)"
+            return True
+    return False
+
+
+def _check_positions(position_ids: Tensor, state: ParallelState) -> None:
+    """Raise unless every row of ``position_ids`` is ``shard_positions(S, state)`` for some ``S``
+    (no collective: safe to raise on one rank only)."""
+    if not _are_shard_positions(position_ids, state):
+        raise ValueError(_positions_message(position_ids, state))
+
+
+def _positions_message(position_ids: Tensor | None, state: ParallelState) -> str:
+    shown = "" if not isinstance(position_ids, Tensor) else (
+        " " + str(position_ids.detach().reshape(-1, position_ids.shape[-1])[0, :8].cpu().tolist()) + "...")
+    return (
+        f"seqpar attention (cp rank {state.cp_rank} of {state.cp_size}): position_ids"
+        f"{shown} are not this rank's global positions of any sequence and no "
+        "cu_seq_lens_q was passed; pass position_ids=seqpar.shard_positions(S, state)[None] with the "
+        "sharded input_ids, or, for packed sequences whose positions restart, the global "
+        "cu_seq_lens_q / cu_seq_lens_k with input_ids and position_ids sharded by seqpar.shard_packed "
+        "(docs/hybrid-models.md, \"Packed sequences\")"
     )
 
 
@@ -567,14 +586,260 @@ def _check_temperature_tuning(module: torch.nn.Module, n: int, state: ParallelSt
         )
 
 
-def _check_kwargs(kwargs: dict[str, Any], dropout: float) -> None:
+# --- packed sequences (Note [Packed sequences in transformers models]) ---------------------------
+#
+# Note [Packed sequences in transformers models]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers' packed format (``DataCollatorWithFlattening``) is one row of concatenated
+# sequences: ``input_ids`` ``[1, T]``, ``position_ids`` restarting at 0 in every sequence, and the
+# flash-attn kwargs ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``[nseq + 1]`` int boundaries),
+# ``max_length_q`` / ``max_length_k`` and, for Mamba2 models, ``seq_idx`` (``[1, T]``: each token's
+# sequence). A model hands these kwargs unchanged from its forward to every decoder layer and on to
+# the layer's attention and mixer modules. On shards every rank passes its ``seqpar.shard_packed``
+# share of ``input_ids``, ``position_ids`` (and ``seq_idx``), and the *global* boundaries, the same
+# on every rank, so that every layer knows the whole batch's sequences:
+#
+# - the model check (Note [transformers model checks]) carries :func:`packed_call`'s row in its one
+#   exchange: every CP rank must pass packed kwargs or none; models with a token mixer that does not
+#   run packed batches are refused (from structure, the same on every rank); the boundaries must be
+#   the same on every rank (a fingerprint), well formed, and place exactly each rank's token count
+#   with its positions within each sequence (``shard_packed_positions``). Every rank raises the same
+#   error, before any layer runs;
+# - the attention function runs ``seqpar.varlen_attention`` with those lengths and the layer's mask
+#   (causal, window, chunk: within each sequence), softcap and sinks. Restarting positions make
+#   transformers wrap the mask function for packed sequences (one run per stretch of consecutive
+#   positions); on a shard the runs are pieces of sequences, so seqpar unwraps the wrapper and marks
+#   the mask ``packed``: the positions were checked against the boundaries by the model check. A
+#   ``packed`` mask without ``cu_seq_lens_q`` is refused (positions that are neither global
+#   positions nor a declared packing);
+# - the gated delta nets run their conv and rule per sequence (Note [Gated delta net on shards]),
+#   on one rank too: transformers' torch fallbacks ignore the boundaries (a token would read the
+#   previous sequence's conv history and recurrent state).
+_PACKED_OK, _PACKED_BAD, _PACKED_BATCH, _PACKED_NO_POSITIONS, _PACKED_POSITIONS, _PACKED_SEQ_IDX = range(6)
+
+
+def _ints(value: object, name: str, where: str) -> list[int]:
+    """A 1-D int tensor or list as a list of ints; ValueError otherwise."""
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            raise ValueError(
+                f"{where}: {name} must be a 1-D integer tensor [nseq + 1], got {value.dtype} {tuple(value.shape)}"
+            )
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [int(v) for v in value]
+    raise ValueError(f"{where}: {name} must be a 1-D integer tensor [nseq + 1], got {_describe(value)}")
+
+
+def packed_lengths(kwargs: dict[str, Any], batch: int, where: str) -> tuple[int, ...]:
+    """The global sequence lengths of a packed call's kwargs (``cu_seq_lens_q`` given).
+
+    Raises:
+        ValueError: boundaries that do not start at 0 or decrease, ``cu_seq_lens_k`` other than
+            ``cu_seq_lens_q`` (self-attention), ``max_length_q`` / ``max_length_k`` below the
+            longest sequence, a batch of more than one row.
+    """
+    cu = _ints(kwargs["cu_seq_lens_q"], "cu_seq_lens_q", where)
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(
+            f"{where}: cu_seq_lens_q {cu[:8]}{'...' if len(cu) > 8 else ''} are not cumulative sequence "
+            "boundaries (0 first, never decreasing); pass [0, len_0, len_0 + len_1, ...] of the whole batch"
+        )
+    seq_lens = tuple(b - a for a, b in zip(cu, cu[1:]))
+    if kwargs.get("cu_seq_lens_k") is not None and _ints(kwargs["cu_seq_lens_k"], "cu_seq_lens_k", where) != cu:
+        raise ValueError(
+            f"{where}: cu_seq_lens_k differs from cu_seq_lens_q; packed self-attention has the same "
+            "boundaries for queries and keys"
+        )
+    longest = max(seq_lens, default=0)
+    for name in ("max_length_q", "max_length_k"):
+        value = kwargs.get(name)
+        if value is not None and int(value) < longest:
+            raise ValueError(
+                f"{where}: {name}={int(value)} but the longest sequence of cu_seq_lens_q has {longest} tokens"
+            )
+    if batch != 1:
+        raise ValueError(
+            f"{where}: a packed batch is one row [1, T_local] (transformers' DataCollatorWithFlattening), "
+            f"got {batch} rows"
+        )
+    return seq_lens
+
+
+def _crc(values: object) -> int:
+    return zlib.crc32(repr(values).encode())
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    """One rank's packed-batch kwargs of a model call, for the model check (Note [Packed
+    sequences in transformers models]). ``row`` is what it tells the other CP ranks."""
+
+    given: bool  # any of PACKED_KWARGS passed
+    digest: int  # fingerprint of the boundaries and length bounds (the same on every rank)
+    problem: int  # this rank's first problem (_PACKED_*)
+    seq_lens: tuple[int, ...] | None  # from cu_seq_lens_q, when well formed
+    message: str | None  # a problem with the boundaries themselves (every rank words it alike)
+    detail: int = 0
+
+    @property
+    def row(self) -> list[int]:
+        return [int(self.given), self.digest, self.problem, self.detail]
+
+    def agree(self, rows: list[list[int]], lengths: list[int], model: torch.nn.Module, state: ParallelState,
+              mixers: list, mixing: str) -> bool:
+        """Whether the call is packed, after every CP rank checked it alike from ``rows`` (every
+        rank's :attr:`row`), ``lengths`` (every rank's token count) and ``mixers`` (the model's
+        token mixers, found from structure: ``path`` each).
+
+        Raises:
+            ValueError: some ranks packed and some not, boundaries that differ between ranks or
+                are malformed, token counts, positions or ``seq_idx`` that are not ``shard_packed``'s.
+            NotImplementedError: a token mixer that does not run packed batches, named.
+            The same on every CP rank.
+        """
+        given = [c for c, row in enumerate(rows) if row[0]]
+        if not given:
+            return False
+        where = f"seqpar ({type(model).__name__}, packed batch)"
+        if len(given) != len(rows):
+            raise ValueError(
+                f"{where}: cp ranks {given} passed packed-batch kwargs ({', '.join(PACKED_KWARGS)}) and cp ranks "
+                f"{[c for c in range(len(rows)) if c not in given]} did not; every rank passes the same global "
+                "cu_seq_lens_q / cu_seq_lens_k with its shard_packed share of input_ids and position_ids"
+            )
+        _refuse_packed_mixers(model, state, mixers, mixing, where)
+        if any(row[1] != rows[0][1] for row in rows):
+            raise ValueError(
+                f"{where}: the CP ranks passed different cu_seq_lens_q / cu_seq_lens_k / max_length_q / "
+                f"max_length_k (fingerprints {[row[1] for row in rows]}); pass the boundaries of the whole "
+                "batch, the same on every rank (not each rank's own tokens)"
+            )
+        if self.message is not None:  # the same boundaries everywhere: every rank found this
+            raise ValueError(self.message)
+        wide = next((c for c, row in enumerate(rows) if row[2] == _PACKED_BATCH), None)
+        if wide is not None:
+            raise ValueError(
+                f"{where}: cp rank {wide} passed {rows[wide][3]} rows; a packed batch is one row [1, T_local] "
+                "(transformers' DataCollatorWithFlattening)"
+            )
+        lens = self.seq_lens or ()
+        want = list(Placement(lens, state.ring_size, state.ulysses_size).shard_lengths)
+        if lengths != want:
+            shown = list(lens[:8]) + (["..."] if len(lens) > 8 else [])
+            raise ValueError(
+                f"{where}: the CP ranks hold {lengths} tokens (total {sum(lengths)}), but cu_seq_lens_q "
+                f"(seq_lens {shown}, total {sum(lens)}) over ring {state.ring_size} x ulysses "
+                f"{state.ulysses_size} places {want}; pass input_ids=seqpar.shard_packed(ids, state, seq_lens, "
+                "dim=1) (and position_ids likewise) with the global cu_seq_lens_q"
+            )
+        bad = next((c for c, row in enumerate(rows) if row[2]), None)
+        if bad is None:
+            return True
+        code = rows[bad][2]
+        if code == _PACKED_NO_POSITIONS:
+            raise ValueError(
+                f"{where}: cp rank {bad} passed no position_ids; packed sequences need their positions within "
+                "each sequence: position_ids=seqpar.shard_packed_positions(seq_lens, state)[None]"
+            )
+        what = "position_ids" if code == _PACKED_POSITIONS else "seq_idx"
+        fix = ("position_ids=seqpar.shard_packed_positions(seq_lens, state)[None]" if code == _PACKED_POSITIONS
+               else "seq_idx sharded by seqpar.shard_packed like input_ids")
+        raise ValueError(
+            f"{where}: the {what} of cp rank {bad} are not its share of the sequences cu_seq_lens_q describes; "
+            f"pass {fix}"
+        )
+
+
+def packed_call(get: Callable[[str], Any], state: ParallelState) -> PackedCall:
+    """This rank's :class:`PackedCall` (no communication): ``get(name)`` reads an argument of the
+    model call (``None`` if not passed)."""
+    given = {k: v for k in PACKED_KWARGS if (v := get(k)) is not None}
+    if not given:
+        return PackedCall(False, 0, _PACKED_OK, None, None)
+    digest = _crc([(k, v.tolist() if isinstance(v, Tensor) else v) for k, v in given.items() if k != "seq_idx"])
+    where = "seqpar (packed batch)"
+    if "cu_seq_lens_q" not in given:
+        return PackedCall(True, digest, _PACKED_BAD, None, (
+            f"{where}: {', '.join(given)} given without cu_seq_lens_q; packed batches on sequence shards take the "
+            "global cu_seq_lens_q (and cu_seq_lens_k) of the whole batch"))
+    ids, embeds = get("input_ids"), get("inputs_embeds")
+    tokens = ids if isinstance(ids, Tensor) else embeds if isinstance(embeds, Tensor) else None
+    batch = 1 if tokens is None else int(tokens.shape[0])
+    try:
+        seq_lens = packed_lengths(given, 1, where)
+    except ValueError as e:
+        return PackedCall(True, digest, _PACKED_BAD, None, str(e))
+    if batch != 1:
+        return PackedCall(True, digest, _PACKED_BATCH, seq_lens, None, batch)
+    placement = Placement(seq_lens, state.ring_size, state.ulysses_size)
+    if tokens is None or tokens.shape[1] != placement.shard_lengths[state.cp_rank]:
+        return PackedCall(True, digest, _PACKED_OK, seq_lens, None)  # the counts are compared by agree()
+    seq, pos = placement.local_tokens(state.cp_rank)
+    positions = get("position_ids")
+    if not isinstance(positions, Tensor):
+        return PackedCall(True, digest, _PACKED_NO_POSITIONS, seq_lens, None)
+    rows = positions.detach().reshape(-1, positions.shape[-1])
+    if rows.shape[-1] != pos.numel() or not bool((rows.cpu() == pos).all()):
+        return PackedCall(True, digest, _PACKED_POSITIONS, seq_lens, None)
+    seq_idx = given.get("seq_idx")
+    if seq_idx is not None and (
+        not isinstance(seq_idx, Tensor) or seq_idx.shape[-1] != seq.numel()
+        or not bool((seq_idx.detach().reshape(-1, seq.numel()).cpu() == seq).all())
+    ):
+        return PackedCall(True, digest, _PACKED_SEQ_IDX, seq_lens, None)
+    return PackedCall(True, digest, _PACKED_OK, seq_lens, None)
+
+
+def _refuse_packed_mixers(model: torch.nn.Module, state: ParallelState, mixers: list, mixing: str, where: str) -> None:
+    """Refuse a packed call of a model with a token mixer that does not run packed batches (from
+    structure: the same on every rank). With one rank the adapters are installed here (there is no
+    model check that installs them): transformers' own kernels would let sequences leak."""
+    if not mixers:
+        return
+    from .transformers_mixers import install
+    from .transformers_mixers.gated_delta import runs_packed
+
+    if state.cp_size == 1:
+        install(model, state, mixing)
+    modules = dict(model.named_modules())
+    refused = [
+        m for m in mixers
+        if not any(runs_packed(modules[p], state) for p in _path_and_ancestors(m.path) if p in modules)
+    ]
+    if refused:
+        shown = "; ".join(map(str, refused[:4])) + (f"; and {len(refused) - 4} more" if len(refused) > 4 else "")
+        raise NotImplementedError(
+            f"{where}: packed batches (cu_seq_lens_q) are not supported for {shown}: seqpar runs packed sequences "
+            "through softmax attention and the gated delta nets (Qwen3-Next, Qwen3.5, OLMo Hybrid) only. "
+            "Pass one sequence per row, with position_ids=seqpar.shard_positions(S, state)[None]"
+        )
+
+
+def _path_and_ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _check_kwargs(kwargs: dict[str, Any], dropout: float, packed: bool = False) -> None:
     """Refuse attention dropout and every kwarg seqpar does not honour (``_UNSUPPORTED_KWARGS``, and
     any name outside ``_HONOURED_KWARGS`` / ``_PASS_THROUGH_KWARGS``) that is not None: ignoring one
     would compute another attention than the model's (MiniMax-M3's ``block_indices`` select key
-    blocks; dense attention would be wrong on one rank already)."""
+    blocks; dense attention would be wrong on one rank already). ``packed``: the packed-batch
+    kwargs are honoured (``cu_seq_lens_q`` given, no cache); otherwise they are refused."""
     for name in sorted(kwargs):
         if kwargs[name] is None or name in _HONOURED_KWARGS or name in _PASS_THROUGH_KWARGS:
             continue
+        if name in PACKED_KWARGS:
+            if packed:
+                continue
+            raise NotImplementedError(
+                f"seqpar attention: {name} is given "
+                + ("with seqpar's KV cache, which does not serve packed batches"
+                   if kwargs.get("cu_seq_lens_q") is not None else "without cu_seq_lens_q")
+                + "; packed batches on sequence shards take the global cu_seq_lens_q (and cu_seq_lens_k) "
+                "with input_ids and position_ids sharded by seqpar.shard_packed, and use_cache=False"
+            )
         what = _UNSUPPORTED_KWARGS.get(name)
         if what is not None:
             raise NotImplementedError(f"seqpar attention: {name} is given, but {what} is not supported on sequence shards")
@@ -641,21 +906,25 @@ def attention_forward(
         scaling: softmax scale (default ``headdim ** -0.5``).
         is_causal: overrides ``module.is_causal`` (default ``True``) when given.
         kwargs: ``sliding_window`` (int or ``None``), ``softcap`` (float or ``None``), ``s_aux``
-            or ``sinks`` (``(nheads,)``), ``position_ids`` (checked on the first layer), and
-            transformers' pass-through options (``use_cache``, ``output_attentions``, ...); any other
-            kwarg (position biases, packed-batch kwargs, an indexer's ``indices`` or
-            ``block_indices``, anything unknown) must be ``None``.
+            or ``sinks`` (``(nheads,)``), ``position_ids`` (checked on the first layer), a packed
+            batch's ``cu_seq_lens_q`` (global ``[nseq + 1]`` boundaries, the same on every rank),
+            ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k`` and ``seq_idx`` (Note [Packed
+            sequences in transformers models]), and transformers' pass-through options
+            (``use_cache``, ``output_attentions``, ...); any other kwarg (position biases, an
+            indexer's ``indices`` or ``block_indices``, anything unknown) must be ``None``.
 
     Returns:
         ``(out, None)`` with ``out`` ``(batch, seqlen_local, nheads, headdim)``, this rank's shard of
-        exact attention over the global sequence.
+        exact attention over the global sequence (packed: ``(1, T_local, nheads, headdim)``, each
+        token attending within its own sequence, by ``seqpar.varlen_attention``).
 
     Raises:
         ValueError: a 4-D mask over shards (``cp_size > 1``: a shard's block cannot say how
             tokens attend across shards), or on one rank other than the plain causal / all-attend
             pattern; a mask that disagrees with ``is_causal`` or ``sliding_window``; position_ids
-            that are not global shard positions; head counts that disagree with
-            ``num_key_value_groups``.
+            that are not global shard positions (without ``cu_seq_lens_q``); malformed packed
+            boundaries, or ones that do not place this rank's tokens; head counts that disagree
+            with ``num_key_value_groups``.
         NotImplementedError: dropout > 0, decoding with a KV cache, a kwarg seqpar does not honour
             (named in the message), or Llama 4 temperature tuning on sequences of ``floor_scale``
             tokens or more.
@@ -669,11 +938,13 @@ def attention_forward(
         _check_kwargs(kwargs, dropout)
         return _cache_attention(module, query, key, value, attention_mask, scaling, is_causal, state, backend, cached, kwargs)
     position_ids = kwargs.get("position_ids")
+    packed = kwargs.get("cu_seq_lens_q") is not None  # Note [Packed sequences in transformers models]
+    seq_lens: tuple[int, ...] = ()
     # Every check here may fail on some ranks only (a layer that builds keys from its shard, as
     # DeepSeek-V4's compressor does, gets other key counts on other ranks): all of them run inside
     # the shared refusal, so that the other ranks' first seqpar.attention raises too.
     with _refusing_together(state, query.device):
-        _check_kwargs(kwargs, dropout)
+        _check_kwargs(kwargs, dropout, packed)
         if key.shape[2] != n:
             raise NotImplementedError(
                 f"seqpar attention: query has {n} tokens but key/value have {key.shape[2]}: "
@@ -689,12 +960,24 @@ def attention_forward(
                 f"says num_key_value_groups={groups}"
             )
         mask = _layer_mask(module, attention_mask, is_causal, kwargs, n, state)
-        if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
+        if packed:  # the model check compared the positions with the boundaries
+            seq_lens = packed_lengths(kwargs, query.shape[0], "seqpar attention")
+        elif isinstance(attention_mask, RecognisedMask) and attention_mask.packed:
+            raise ValueError(_positions_message(position_ids, state))
+        elif isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
             _check_positions(position_ids, state)
         _check_temperature_tuning(module, n, state)
 
-    from ..attention import attention
+    from ..attention import attention, varlen_attention
 
+    if packed:  # [1, H, T_local, D] -> [T_local, H, D]; varlen_attention checks the counts on every rank
+        out = varlen_attention(
+            *(t[0].transpose(0, 1) for t in (query, key, value)), state, seq_lens,
+            causal=mask.causal, window=mask.window, chunk_size=mask.chunk_size,
+            softcap=float(kwargs.get("softcap") or 0.0), sinks=_sinks(kwargs),
+            softmax_scale=scaling, backend=backend,
+        )
+        return out.unsqueeze(0), None
     out = attention(
         query, key, value, state,
         causal=mask.causal, window=mask.window, chunk_size=mask.chunk_size,
@@ -781,8 +1064,9 @@ def mask_function(
 
     Raises:
         ValueError: a padding mask (any zero in ``attention_mask``); a 2-D ``attention_mask``
-            longer than the shard (a full-length mask next to sharded ids); position_ids of a
-            packed wrapper that are not this rank's global positions.
+            longer than the shard (a full-length mask next to sharded ids). Position_ids of a
+            packed wrapper that are not this rank's global positions mark the mask ``packed``:
+            the layers refuse it without ``cu_seq_lens_q``.
         NotImplementedError: a KV cache or cross-attention (``kv_length != q_length``, offsets);
             a pattern that depends on token data or is no causal/window/chunk mask.
     """
@@ -815,8 +1099,9 @@ def mask_function(
                 "attention_mask has zeros); drop padding, or pack the sequences and use "
                 "seqpar.varlen_attention"
             )
-        if position_ids is not None:
-            _check_positions(position_ids, state)
+        # Positions that are not this rank's global positions are packed sequences (or a mistake):
+        # the layers decide with the call's cu_seq_lens_q, which the mask function does not get.
+        packed = position_ids is not None and not _are_shard_positions(position_ids, state)
         if state.cp_size == 1:
             grid = max(q_length, 2)  # two positions tell causal from bidirectional
         else:
@@ -825,7 +1110,7 @@ def mask_function(
         # A mask that cannot be recognised may be refused on some ranks only (whether transformers
         # sees "packed" position ids depends on the shard): the refusal is shared.
         mask = recognise_mask_function(base, batch_size=batch_size, grid=grid, hint=hint, use_vmap=use_vmap)
-    return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "")
+    return RecognisedMask(mask, grid, getattr(kwargs.get("config"), "model_type", "") or "", packed)
 
 
 def _cached_mask(

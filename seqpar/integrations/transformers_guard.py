@@ -765,15 +765,22 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, name: s
             _check_decoding(model, args, kwargs, state, cache)
             return
     mine = _inspect(model, name, args, kwargs, state)
+    from .transformers import packed_call  # Note [Packed sequences in transformers models]
+
+    packed = packed_call(lambda arg: _argument(model, args, kwargs, arg), state)
     if state.cp_size == 1:
         if mine.code:
             raise _error(model, name, state, [mine.row], 0)
+        packed.agree([packed.row], [mine.n], model, state, _model_token_mixers(model), bound.mixing)
         return
-    rows = exchange_ints(mine.row, state.cp_group, mine.device)
+    both = exchange_ints(mine.row + packed.row, state.cp_group, mine.device)
+    rows = [row[:len(mine.row)] for row in both]
     culprit = next((r for r, row in enumerate(rows) if row[1]), None)
     if culprit is not None:
         raise _error(model, name, state, rows, culprit)
-    _check_placement(model, state, rows)
+    packed_rows = [row[len(mine.row):] for row in both]
+    if not packed.agree(packed_rows, [row[0] for row in rows], model, state, _model_token_mixers(model), bound.mixing):
+        _check_placement(model, state, rows)
 
 
 def _check_placement(model: nn.Module, state: ParallelState, rows: list[list[int]]) -> None:

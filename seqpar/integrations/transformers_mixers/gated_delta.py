@@ -23,10 +23,17 @@ token-wise steps between the two calls (transpose, split into q/k/v, reshape to 
 pre-conv channels; ``torch_chunk_gated_delta_rule`` then receives q/k/v, checks that they are views
 of what the conv was given (nothing but a re-layout happened in between) and runs conv and rule
 head-parallel. Decoding with a cache (``cache_params``, ``cache`` from 5.24: conv and recurrent
-states) and packed batches (``cu_seq_lens_q``, ``seq_idx``) are refused: this step does not hand
-states across ranks.
-Both refusals follow from the call's arguments, which every CP rank passes alike, so every rank
-raises the same error before any collective.
+states) is refused: this step does not hand states across ranks. The refusal follows from the
+call's arguments, which every CP rank passes alike, so every rank raises the same error before any
+collective.
+
+Packed batches (transformers' flattened rows, the global ``cu_seq_lens_q`` reaching the rule as
+``cu_seqlens``; Note [Packed sequences in transformers models]) run per sequence: head-parallel
+with ``seq_lens`` (each head shard holds whole sequences, ``shard.cu_seqlens``), the model's conv
+and rule kernels on every sequence alone, from zero history and state (the torch fallbacks take
+no ``cu_seqlens``: the rule refuses them, the conv ignores them); in state-passing mode the halo
+and the states stop at every sequence start. With one rank the adapter is installed for packed
+calls only (dense calls run the class's forward): transformers' fallbacks cannot run them there.
 
 In state-passing mode (Note [Choosing the mixing mode]) the same rebound rule call runs the conv
 on the rank's own tokens with their ``K - 1`` token halo (``causal_conv1d_halo``, on the pre-conv
@@ -70,13 +77,29 @@ _CACHE = cache_parameter("cache_params")
 _PARAMETERS = ("self", "hidden_states", _CACHE, "attention_mask")
 # transformers' packed-batch kwargs: positions within the shard, not the sequence.
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+_PACKED = "_seqpar_packed"  # attribute of a module whose adapter runs packed batches: the state it is bound to
 
 
-def refuse_call(module: nn.Module, cache: object, cache_name: str, kwargs: dict[str, Any]) -> None:
+def mark_packed(module: nn.Module, state: ParallelState) -> None:
+    """Declare that ``module``'s adapter (bound to ``state``) runs packed batches exactly: the
+    model check then lets a packed call through it (Note [Packed sequences in transformers
+    models] in ``seqpar.integrations.transformers``)."""
+    object.__setattr__(module, _PACKED, state)
+
+
+def runs_packed(module: nn.Module, state: ParallelState) -> bool:
+    """Whether ``module`` carries an adapter bound to ``state`` that runs packed batches."""
+    return getattr(module, _PACKED, None) is state
+
+
+def refuse_call(module: nn.Module, cache: object, cache_name: str, kwargs: dict[str, Any], *,
+                packed: bool = False) -> None:
     """Refuse what this step does not run on shards (the same on every rank: see the Note).
+    ``packed``: the adapter runs packed batches, given with the global ``cu_seq_lens_q``.
 
     Raises:
-        NotImplementedError: a cache holding the layer's states, or packed-batch kwargs.
+        NotImplementedError: a cache holding the layer's states, or packed-batch kwargs (all of
+            them unless ``packed``; without ``cu_seq_lens_q`` if ``packed``).
     """
     name = type(module).__name__
     if cache is not None:
@@ -86,10 +109,17 @@ def refuse_call(module: nn.Module, cache: object, cache_name: str, kwargs: dict[
             "generate with a cache are not supported for hybrid models on shards yet; call the model "
             "with use_cache=False, or generate with cp_size 1"
         )
-    packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
-    if packed:
+    given = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
+    if given and packed and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seqlens") is None:
+        return
+    if given and packed:
         raise NotImplementedError(
-            f"seqpar: {name} on sequence shards does not support packed batches ({', '.join(packed)}); "
+            f"seqpar: {name} runs packed batches given by the global cu_seq_lens_q (transformers' "
+            f"DataCollatorWithFlattening), not by {', '.join(given)} alone"
+        )
+    if given:
+        raise NotImplementedError(
+            f"seqpar: {name} on sequence shards does not support packed batches ({', '.join(given)}); "
             "pass one sequence per row with position_ids=seqpar.shard_positions(S, state)[None]"
         )
 
@@ -122,6 +152,7 @@ class ConvAndRuleKernels:
 
     rule_name = "gated delta rule"  # in messages
     kernel_names = (_CONV, _RULE)  # the module-level names the forward calls its conv and rule by
+    runs_packed = False  # True: mix() takes seq_lens= for packed calls (the rule's cu_seqlens)
 
     def __init__(self, module: nn.Module, state: ParallelState, parameters: tuple[Parameter, ...],
                  mixing: str = HEAD_PARALLEL) -> None:
@@ -154,12 +185,16 @@ class ConvAndRuleKernels:
         conv, self.pending = self.pending, None
         if conv is None:
             raise self._shape_error(f"calls the {self.rule_name} without its conv")
-        if initial_state is not None or output_final_state or cu_seqlens is not None:
+        if initial_state is not None or output_final_state or (cu_seqlens is not None and not self.runs_packed):
             raise NotImplementedError(
                 f"seqpar: {self.name} on sequence shards takes no initial or final recurrent state and "
                 "no packed batch (cache decoding and cu_seqlens are not supported on shards yet)"
             )
         extra = {k: kwargs[k] for k in ("chunk_size",) if k in kwargs}
+        if cu_seqlens is not None:  # the model's global cu_seq_lens_q (checked by the model check)
+            bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+            seq_lens = tuple(int(b) - int(a) for a, b in zip(bounds, bounds[1:]))
+            return self.mix(conv, query, key, value, g, beta, use_qk_l2norm_in_kernel, extra, seq_lens=seq_lens), None
         return self.mix(conv, query, key, value, g, beta, use_qk_l2norm_in_kernel, extra), None
 
     def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
@@ -247,11 +282,16 @@ def summary_dtype(*tensors: Tensor) -> torch.dtype:
 class _GatedDeltaKernels(ConvAndRuleKernels):
     """Qwen3-Next / Qwen3.5 / OLMo-Hybrid: q, k with K heads, v with V heads reading them."""
 
+    runs_packed = True
+
     def __init__(self, module: nn.Module, state: ParallelState, mixing: str) -> None:
         super().__init__(module, state, _PARAMETERS, mixing)
 
     def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-            use_qk_l2norm_in_kernel: bool, extra: dict[str, Any]) -> Tensor:
+            use_qk_l2norm_in_kernel: bool, extra: dict[str, Any], seq_lens: tuple[int, ...] | None = None,
+            ) -> Tensor:
+        """``seq_lens``: a packed call's global sequence lengths (one row ``[1, T_local]`` in
+        ``shard_packed``'s placement): every sequence's conv and rule start afresh."""
         hk, dk = query.shape[-2:]
         hv, dv = value.shape[-2:]
         channels = (hk * dk, hk * dk, hv * dv)
@@ -266,6 +306,8 @@ class _GatedDeltaKernels(ConvAndRuleKernels):
                 f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
                 f"{tuple(conv.x.shape)} channels"
             )
+        if seq_lens is not None and query.shape[0] != 1:
+            raise self._shape_error(f"passes a packed batch of {query.shape[0]} rows, not one")
         batch = query.shape[0]
         per_token = batch * (  # in: the pre-conv channels, g and beta; out: the rule's output
             conv.x.shape[1] * conv.x.element_size()
@@ -274,7 +316,8 @@ class _GatedDeltaKernels(ConvAndRuleKernels):
         sp_bytes = halo_and_rule_bytes(self.state, conv, hv, dk, dv, summary_dtype(query, key, value, g, beta))
         mode, seq_len = self.chooser.pick(query.shape[1], hv, per_token, sp_bytes, query.device)
         if mode == STATE_PASSING:
-            return self._state_passing(conv, channels, hk, hv, dk, dv, g, beta, use_qk_l2norm_in_kernel, extra, seq_len)
+            return self._state_passing(conv, channels, hk, hv, dk, dv, g, beta, use_qk_l2norm_in_kernel, extra,
+                                       seq_len, seq_lens)
         conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
 
         def mix(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
@@ -303,20 +346,40 @@ class _GatedDeltaKernels(ConvAndRuleKernels):
             )
             return out
 
-        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv, seq_len=seq_len)
+        if seq_lens is None:
+            return head_parallel(mix, [query, key, value, g, beta], self.state, heads=hv, seq_len=seq_len)
+
+        def mix_packed(shard: HeadShard, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+            # [T, h, ...]: the conv and the rule of every sequence on its own, from zero history and
+            # state, as one device runs each sequence (the torch fallbacks take no cu_seqlens).
+            bounds = shard.cu_seqlens.tolist()
+            outs = [
+                mix(shard, *(t[None, a:b] for t in (q, k, v, g, beta)))[0]
+                for a, b in zip(bounds, bounds[1:]) if b > a
+            ]
+            return torch.cat(outs) if outs else v.new_zeros(0, v.shape[1], dv)
+
+        out = head_parallel(mix_packed, [t[0] for t in (query, key, value, g, beta)], self.state, heads=hv,
+                            seq_lens=seq_lens)
+        return out.unsqueeze(0)
 
     def _state_passing(
         self, conv: ConvCall, channels: tuple[int, int, int], hk: int, hv: int, dk: int, dv: int, g: Tensor,
         beta: Tensor, use_qk_l2norm: bool, extra: dict[str, Any], seq_len: int | None,
+        seq_lens: tuple[int, ...] | None = None,
     ) -> Tensor:
-        """Conv by its halo, then the rule by state passing, each rank on its own tokens."""
-        y = causal_conv1d_halo(conv.x.transpose(1, 2), conv.weight, conv.bias, self.state,
-                               activation=conv.activation, seq_len=seq_len)  # [B, S_local, C]
+        """Conv by its halo, then the rule by state passing, each rank on its own tokens (packed:
+        ``seq_lens`` given, one row; no halo or state crosses a sequence start)."""
+        x = conv.x.transpose(1, 2)  # [B, S_local, C]
+        if seq_lens is not None:
+            x, g, beta, seq_len = x[0], g[0], beta[0], None  # [T_local, ...]
+        y = causal_conv1d_halo(x, conv.weight, conv.bias, self.state, activation=conv.activation,
+                               seq_len=seq_len, seq_lens=seq_lens)
         q, k, v = y.split(channels, dim=-1)
         inputs = [q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv)), g, beta]
         (out,), _ = state_passing(KernelRule(self.rule_kernel, use_qk_l2norm, extra), inputs, self.state,
-                                  seq_len=seq_len)
-        return out
+                                  seq_len=seq_len, seq_lens=seq_lens)
+        return out if seq_lens is None else out.unsqueeze(0)
 
 
 def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode: tuple[str, ...]) -> None:
@@ -328,10 +391,14 @@ def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode
     replaced = {conv: kernels.conv, rule: kernels.rule, **{k: refuse_decode_kernel(k) for k in decode}}
     rebound = rebind_forward(module, replaced)
     signature = inspect.signature(type(module).forward)
+    one_rank = kernels.state.cp_size == 1  # adapted for packed batches only (see _install)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = signature.bind(self, *args, **kwargs).arguments
-        refuse_call(self, *call_cache(call, kernels.cache), {**call.get("kwargs", {})})
+        extra = {**call.get("kwargs", {})}
+        if one_rank and extra.get("cu_seq_lens_q") is None:
+            return type(self).forward(self, *args, **kwargs)
+        refuse_call(self, *call_cache(call, kernels.cache), extra, packed=kernels.runs_packed)
         kernels.pending = None
         try:
             out = rebound(self, *args, **kwargs)
@@ -345,11 +412,14 @@ def install_conv_and_rule(module: nn.Module, kernels: ConvAndRuleKernels, decode
 
 
 def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
-    if state.cp_size == 1:  # nothing is sharded: the module runs as it is
-        return
+    # With one rank nothing is sharded and the module runs as it is, except for packed batches:
+    # transformers' torch fallbacks ignore cu_seq_lens_q (Note [Packed sequences in transformers
+    # models]), so those run through the adapter, per sequence.
     kernels = _GatedDeltaKernels(module, state, mixing)
     install_conv_and_rule(module, kernels, _DECODE)
-    object.__setattr__(module, CHOOSER, kernels.chooser)
+    mark_packed(module, state)
+    if state.cp_size > 1:
+        object.__setattr__(module, CHOOSER, kernels.chooser)
 
 
 for _qualname in _CLASSES:

@@ -27,7 +27,11 @@ v (``H`` heads of ``D`` each), a per-channel decay ``g`` ``[B, S, H, D]`` and a 
 for the gated delta net (Note [Gated delta net on shards]) the forward runs on the shard with its
 kernel names rebound (Note [Rebound kernels]): ``causal_conv1d_fn`` records its arguments and
 returns its input, and ``chunk_kimi_delta_attention`` runs conv and rule in one head-parallel
-call, each the modeling file's own function (the installed kernel or the torch fallback).
+call, each the modeling file's own function (the installed kernel or the torch fallback). In
+state-passing mode the same call runs the conv by its halo and the rule by state passing with the
+modeling file's own kernel per piece (``KernelRule``: the per-channel decay ``diag(exp(g_t))`` acts
+on the state's rows, so its columns evolve independently and ``Dk`` extra value columns started
+at the identity give the transition), as for the gated delta nets.
 
 Decoding with a cache (MiniMax's ``past_key_values``, KDA's ``cache_params``; ``cache`` for both
 from 5.24) and packed batches are refused from the call's arguments, which every CP rank passes
@@ -45,10 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...mixing import HeadShard, ScalarDecayAttention, head_parallel, state_passing
+from ...mixing import HeadShard, ScalarDecayAttention, causal_conv1d_halo, head_parallel, state_passing
 from ...state import ParallelState
 from . import CHOOSER, register_adapter
-from .gated_delta import ConvAndRuleKernels, ConvCall, install_conv_and_rule, refuse_call, summary_dtype
+from .gated_delta import (
+    ConvAndRuleKernels, ConvCall, KernelRule, halo_and_rule_bytes, install_conv_and_rule, refuse_call, summary_dtype,
+)
 from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import cache_parameter, call_cache, checked_forward, refuse_adapting, set_forward
 
@@ -162,14 +168,30 @@ _KDA_DECODE = ("causal_conv1d_update", "recurrent_kimi_delta_attention")  # cach
 _KDA_PARAMETERS = ("self", "hidden_states", cache_parameter("cache_params"), "attention_mask")
 
 
+class _KimiRule(KernelRule):
+    """KDA's rule by the modeling file's own ``chunk_kimi_delta_attention``, per piece
+    (:class:`KernelRule`: its per-channel decay acts on the state's rows, ``S_t = (I - beta_t k_t
+    k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``, so the state's columns still evolve
+    independently and ``Dk`` extra value columns started at the identity give the transition)."""
+
+    def kernel(self, inputs, initial_state):
+        q, _, v = inputs[:3]
+        if q.shape[1] == 0:  # a rank without tokens: the chunked kernel cannot reshape zero tokens
+            dtype = summary_dtype(*inputs)
+            h = initial_state if initial_state is not None else v.new_zeros(
+                v.shape[0], *self.state_shape(inputs), dtype=dtype)
+            return (v.new_zeros(v.shape),), h
+        return super().kernel(inputs, initial_state)
+
+
 class _KimiDeltaKernels(ConvAndRuleKernels):
     """Kimi Linear / Bailing-Hybrid: q, k, v and the per-channel decay ``g`` with the same heads."""
 
     rule_name = "delta rule"
     kernel_names = (_CONV, _RULE)
 
-    def __init__(self, module: nn.Module, state: ParallelState) -> None:
-        super().__init__(module, state, _KDA_PARAMETERS)
+    def __init__(self, module: nn.Module, state: ParallelState, mixing: str) -> None:
+        super().__init__(module, state, _KDA_PARAMETERS, mixing)
 
     def mix(self, conv: ConvCall, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
             use_qk_l2norm_in_kernel: bool, extra: dict[str, Any]) -> Tensor:
@@ -185,6 +207,21 @@ class _KimiDeltaKernels(ConvAndRuleKernels):
                 f"g {tuple(g.shape)}, beta {tuple(beta.shape)} that are not a re-layout of the conv's "
                 f"{tuple(conv.x.shape)} channels with a per-channel decay"
             )
+        batch = query.shape[0]
+        per_token = batch * (  # in: the pre-conv channels, g and beta; out: the rule's output
+            conv.x.shape[1] * conv.x.element_size()
+            + heads * (d * g.element_size() + beta.element_size() + d * value.element_size())
+        )
+        sp_bytes = halo_and_rule_bytes(self.state, conv, heads, d, d, summary_dtype(query, key, value, g, beta))
+        mode, seq_len = self.chooser.pick(query.shape[1], heads, per_token, sp_bytes, query.device)
+        if mode == STATE_PASSING:
+            # The conv by its halo on the pre-conv q/k/v channels, then the rule by state passing.
+            y = causal_conv1d_halo(conv.x.transpose(1, 2), conv.weight, conv.bias, self.state,
+                                   activation=conv.activation, seq_len=seq_len)  # [B, S_local, 3 H D]
+            q, k, v = (t.unflatten(-1, (heads, d)) for t in y.split(heads * d, dim=-1))
+            rule = _KimiRule(self.rule_kernel, use_qk_l2norm_in_kernel, extra)
+            (out,), _ = state_passing(rule, [q, k, v, g, beta], self.state, seq_len=seq_len)
+            return out
         conv_kernel, rule_kernel = self.conv_kernel, self.rule_kernel
 
         def mine(t: Tensor | None, shard: HeadShard) -> Tensor | None:
@@ -205,14 +242,16 @@ class _KimiDeltaKernels(ConvAndRuleKernels):
             )
             return out
 
-        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=heads)
+        return head_parallel(mix, [query, key, value, g, beta], self.state, heads=heads, seq_len=seq_len)
 
 
-def _install_kda(module: nn.Module, state: ParallelState) -> None:
+def _install_kda(module: nn.Module, state: ParallelState, mixing: str) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
-    install_conv_and_rule(module, _KimiDeltaKernels(module, state), _KDA_DECODE)
+    kernels = _KimiDeltaKernels(module, state, mixing)
+    install_conv_and_rule(module, kernels, _KDA_DECODE)
+    object.__setattr__(module, CHOOSER, kernels.chooser)
 
 
 for _qualname in _KDA_CLASSES:
-    register_adapter(_qualname)(_install_kda)
+    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_install_kda)

@@ -20,7 +20,16 @@ Read against transformers 5.23, and 5.24 (the same forwards with the cache param
   shard, then the selective scan (every channel a head; ``B``, ``C`` one group read by all).
   The gate (``z``) is applied on the shard after the scan, as the reference scan does last.
 
-Inside each call the module's own kernels run on whole sequences of the rank's heads, looked up
+In state-passing mode (Note [Choosing the mixing mode]; ``install(..., mixing=)``) each rank keeps
+its own tokens instead: the conv by its ``K - 1`` token halo (:func:`~seqpar.mixing.causal_conv1d_halo`,
+the activation after it), the scan by :func:`~seqpar.mixing.state_passing` with each piece run by
+the module's own scan kernel from a zero state (:class:`_ModelSSD`, :class:`_ModelSelectiveScan`:
+the kernels' final states are the summaries' ``b``, the decays ``exp(A sum delta)``, formed as the
+kernels form ``delta``, the transitions, and the outputs are corrected from the true initial state
+in closed form, so no kernel is asked for an initial state, which mamba-ssm's selective scan does
+not take). One decision per layer call, for the conv and the scan alike.
+
+Inside each head-parallel call the module's own kernels run on whole sequences of the rank's heads, looked up
 in its modeling module at call time (``causal_conv1d_fn``, ``mamba2_chunk_scan``,
 ``mamba_selective_scan``): the torch fallbacks, or ``causal-conv1d`` / ``mamba-ssm`` where
 installed. The fused training kernels (``mamba2_split_conv1d_scan_combined``,
@@ -60,10 +69,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...comm import exchange_ints
-from ...mixing import HeadShard, head_parallel
+from ...mixing import HeadShard, Recurrence, Summary, causal_conv1d_halo, head_parallel, state_passing
 from ...prepare import collective_checks
 from ...state import ParallelState
-from . import register_adapter
+from . import CHOOSER, register_adapter
+from .gated_delta import summary_dtype
+from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import cache_parameter, call_cache, shown, takes
 
 __all__: list[str] = []
@@ -201,11 +212,86 @@ def _raise_together(module: nn.Module, state: ParallelState, device: torch.devic
 # --- Mamba2 (SSD) -------------------------------------------------------------------------------
 
 
+class _ModelSSD(Recurrence):
+    """Mamba2's SSD scan for :func:`~seqpar.mixing.state_passing`, each piece by the modeling
+    file's own ``mamba2_chunk_scan`` (the torch fallback, or mamba-ssm's chunked kernel), so that a
+    piece is computed as the model computes it: its ``D`` skip, ``dt_bias``, softplus and
+    ``time_step_limit`` included.
+
+    Inputs ``x [B, n, H, P]``, ``B, C [B, n, G, N]``, raw ``dt [B, n, H]``, as the forward passes
+    them to the kernel. State ``[H, P, N]`` (the kernel's final state); transition ``[H]``, the
+    piece's decay ``exp(A sum_t delta_t)`` with ``delta = clamp(softplus(dt + dt_bias))`` as the
+    kernel forms it. Correction from the true initial state ``h_0``: ``y_t += exp(A sum_{s<=t}
+    delta_s) C_t . h_0``, the scan's term of its initial state (no second scan).
+    """
+
+    num_inputs = 4
+    input_names = ("x", "B", "C", "dt")
+
+    def __init__(self, scan: Callable[..., Any], A: Tensor, D: Tensor | None, dt_bias: Tensor | None,
+                 chunk_size: int, dt_limit: tuple[float, float]) -> None:
+        self.scan, self.A, self.D, self.dt_bias = scan, A, D, dt_bias
+        self.chunk_size, self.dt_limit = chunk_size, dt_limit
+
+    def heads(self, inputs):
+        return inputs[0].shape[2]
+
+    def parameters(self):
+        return [p for p in (self.A, self.D, self.dt_bias) if p is not None]
+
+    def state_shape(self, inputs):
+        return (inputs[0].shape[2], inputs[0].shape[3], inputs[1].shape[3])
+
+    def transition_shape(self, inputs):
+        return (inputs[0].shape[2],)
+
+    def kernel(self, inputs, initial_state):
+        x, b, c, dt = inputs
+        if x.shape[1] == 0:  # a rank without tokens: nothing to scan (the kernel needs a chunk)
+            dtype = summary_dtype(x)
+            h = initial_state if initial_state is not None else x.new_zeros(
+                x.shape[0], *self.state_shape(inputs), dtype=dtype)
+            return (x.new_zeros(x.shape, dtype=dtype),), h
+        y, final = self.scan(
+            x, dt, self.A, b, c, chunk_size=self.chunk_size, D=self.D, z=None, return_final_states=True,
+            dt_bias=self.dt_bias, dt_softplus=True, initial_states=initial_state, dt_limit=self.dt_limit,
+        )
+        return (y,), final
+
+    def apply(self, transition, state):
+        return transition[..., None, None] * state
+
+    def summarize(self, inputs):
+        (y,), final = self.kernel(inputs, None)
+        dt = inputs[3]
+        if self.dt_bias is not None:  # the kernel's steps: bias and softplus in dt's dtype, then clamp
+            dt = dt + self.dt_bias.to(dt.dtype)
+        delta = F.softplus(dt).clamp(self.dt_limit[0], self.dt_limit[1])
+        dtype = summary_dtype(*inputs)
+        gam = (self.A.to(dtype) * delta.to(dtype)).cumsum(1)  # [B, n, H], log decay since the piece start
+        return Summary((y,), final, gam[:, -1].exp(), aux=gam)
+
+    def correct(self, inputs, summary, initial_state):
+        gam, y = summary.aux, summary.outputs[0]
+        heads, c = inputs[0].shape[2], inputs[2]
+        c = c.to(gam.dtype).repeat_interleave(heads // c.shape[2], 2)  # group j read by heads j*H/G ..
+        fix = gam.exp()[..., None] * torch.einsum("bnhs,bhps->bnhp", c, initial_state.to(gam.dtype))
+        return ((y + fix).to(y.dtype),)
+
+
+def _ranks_per_group(heads: int, groups: int, ranks: int) -> int:
+    """About how many ranks read each of ``groups`` grouped heads when ``heads`` are split over
+    ``ranks`` (head_parallel sends a grouped head to every rank holding one of its heads)."""
+    return max(1, -(-ranks // groups))
+
+
 def _mamba2_mixing(
     self: nn.Module, modeling: types.ModuleType, state: ParallelState, projected: Tensor, mask: Tensor | None,
+    chooser: ModeChooser,
 ) -> tuple[Tensor, Tensor]:
     """``(scan output [B, S_local, I], gate)`` from the shard's projections: conv and scan of whole
-    sequences of this rank's heads (one head_parallel call)."""
+    sequences of this rank's heads (one head_parallel call), or of this rank's own tokens by the
+    conv's halo and state passing (the mode ``chooser`` picks)."""
     B_, S_local = projected.shape[:2]
     H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
     I = self.intermediate_size  # noqa: E741 - the modeling code's name
@@ -216,6 +302,37 @@ def _mamba2_mixing(
     bias = self.conv1d.bias
     K = weight.shape[-1]
     per_group = H // G
+
+    # Bytes each rank receives per call (Note [Choosing the mixing mode]). Head-parallel: x, B, C
+    # (each group to every rank reading it), dt and the mask in, the scan output (the torch
+    # fallback's float32; a fused kernel returns x's dtype) back. State passing: per piece the
+    # summary (b [H, P, N], P [H]) and the conv's K - 1 token halo.
+    readers = _ranks_per_group(H, G, state.cp_size)
+    out_size = torch.empty(0, dtype=summary_dtype(xbc)).element_size()
+    per_token = B_ * (
+        (I + 2 * G * N * readers) * xbc.element_size() + H * dt.element_size() + state.cp_size * dt.element_size()
+        + I * out_size
+    )
+    summary = H * (P * N + 1) * out_size
+    halo = (K - 1) * self.conv_dim * xbc.element_size()
+    sp_bytes = (state.cp_size - 1) * pieces_per_rank(state) * B_ * (summary + halo)
+    mode, seq_len = chooser.pick(S_local, H, per_token, sp_bytes, projected.device)
+    if mode == STATE_PASSING:
+        # The conv by its halo (activation after it: token-wise), the mask after the conv as the
+        # forward applies it, then the scan by state passing: every rank its own tokens.
+        from transformers.activations import ACT2FN
+
+        conv_out = causal_conv1d_halo(xbc, weight, bias, state, seq_len=seq_len)
+        if self.activation is not None:
+            conv_out = ACT2FN[self.activation](conv_out)
+        conv_out = modeling.apply_mask_to_padding_states(conv_out, mask)
+        xs, bs, cs = conv_out.split([I, G * N, G * N], dim=-1)
+        scan = _ModelSSD(modeling.mamba2_chunk_scan, A, self.D, self.dt_bias, self.chunk_size, self.time_step_limit)
+        (y,), _ = state_passing(
+            scan, [xs.view(B_, S_local, H, P), bs.view(B_, S_local, G, N), cs.view(B_, S_local, G, N), dt], state,
+            seq_len=seq_len,
+        )
+        return y.reshape(B_, S_local, I), gate
 
     def narrow3(t: Tensor | None, shard: HeadShard, K_: int | None) -> Tensor | None:
         """This rank's conv channels of ``t`` ([conv_dim, K] or [conv_dim]), in x|B|C order."""
@@ -255,11 +372,13 @@ def _mamba2_mixing(
     # a tensor, and every rank must pass the same tensors.
     keep = dt.new_ones(B_, S_local, 1) if mask is None else mask[:, :, None].to(dt.dtype)
     tensors = [x.view(B_, S_local, H, P), b.view(B_, S_local, G, N), c.view(B_, S_local, G, N), dt, keep]
-    y = head_parallel(mix, tensors, state, heads=H)
+    y = head_parallel(mix, tensors, state, heads=H, seq_len=seq_len)
     return y.reshape(B_, S_local, I), gate
 
 
-def _install_mamba2(module: nn.Module, state: ParallelState, names: frozenset[str], falcon: bool) -> None:
+def _install_mamba2(
+    module: nn.Module, state: ParallelState, names: frozenset[str], falcon: bool, mixing: str,
+) -> None:
     modeling = _check_forward(module, names, ("causal_conv1d_fn", "mamba2_chunk_scan", "apply_mask_to_padding_states"))
     if module.num_heads % module.n_groups:
         raise NotImplementedError(
@@ -268,6 +387,7 @@ def _install_mamba2(module: nn.Module, state: ParallelState, names: frozenset[st
         )
 
     signature = inspect.signature(type(module).forward)
+    chooser = ModeChooser(state, mixing)
 
     @_accelerate_hooks(["conv1d"])
     def forward(self, *args, **kwargs):
@@ -279,7 +399,7 @@ def _install_mamba2(module: nn.Module, state: ParallelState, names: frozenset[st
         projected = self.in_proj(hidden_states)
         if falcon:
             projected = projected * self.mup_vector
-        y, gate = _mamba2_mixing(self, modeling, state, projected, attention_mask)
+        y, gate = _mamba2_mixing(self, modeling, state, projected, attention_mask, chooser)
         if not falcon or self.mamba_rms_norm:
             y = self.norm(y, gate)
         else:
@@ -287,6 +407,7 @@ def _install_mamba2(module: nn.Module, state: ParallelState, names: frozenset[st
         return self.out_proj(y.to(dtype))
 
     object.__setattr__(module, "forward", types.MethodType(forward, module))
+    object.__setattr__(module, CHOOSER, chooser)
 
 
 _MAMBA2_CLASSES = {
@@ -299,22 +420,22 @@ _MAMBA2_CLASSES = {
 }
 
 
-def _mamba2_installer(falcon: bool) -> Callable[[nn.Module, ParallelState], None]:
-    def installer(module: nn.Module, state: ParallelState) -> None:
+def _mamba2_installer(falcon: bool) -> Callable[[nn.Module, ParallelState, str], None]:
+    def installer(module: nn.Module, state: ParallelState, mixing: str) -> None:
         if state.cp_size > 1:  # one rank: the module runs as it is
-            _install_mamba2(module, state, _FALCON_H1_NAMES if falcon else _MAMBA2_NAMES, falcon)
+            _install_mamba2(module, state, _FALCON_H1_NAMES if falcon else _MAMBA2_NAMES, falcon, mixing)
 
     return installer
 
 
 for _qualname, _falcon in _MAMBA2_CLASSES.items():
-    register_adapter(_qualname)(_mamba2_installer(_falcon))
+    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_mamba2_installer(_falcon))
 
 
 _MASK_HOOK = "_seqpar_mask_hook"  # attribute of an adapted Mamba2Model: its pre-hook's handle
 
 
-@register_adapter("transformers.models.mamba2.modeling_mamba2.Mamba2Model")
+@register_adapter("transformers.models.mamba2.modeling_mamba2.Mamba2Model", modes=None)
 def _mamba2_model(module: nn.Module, state: ParallelState) -> None:
     """Mamba2Model cuts a 2-D mask to the last ``S_local`` tokens before its mixers see it
     (``create_recurrent_attention_mask``), so a full-length mask next to sharded ids would reach
@@ -349,7 +470,7 @@ def _mamba2_model(module: nn.Module, state: ParallelState) -> None:
     object.__setattr__(module, _MASK_HOOK, handle)
 
 
-@register_adapter("transformers.models.zamba2.modeling_zamba2.Zamba2MambaDecoderLayer")
+@register_adapter("transformers.models.zamba2.modeling_zamba2.Zamba2MambaDecoderLayer", modes=None)
 def _zamba2_mamba_layer(module: nn.Module, state: ParallelState) -> None:
     """Zamba2's "hybrid" layers hold their Mamba layer one level down (``mamba_decoder``), and the
     model check names that layer, not its mixer. It is an RMSNorm, the mixer (adapted by its own
@@ -365,9 +486,85 @@ def _zamba2_mamba_layer(module: nn.Module, state: ParallelState) -> None:
 # --- Mamba1 (selective scan) ----------------------------------------------------------------------
 
 
-def _install_mamba1(module: nn.Module, state: ParallelState, names: frozenset[str], jamba: bool) -> None:
+class _ModelSelectiveScan(Recurrence):
+    """Mamba1's selective scan for :func:`~seqpar.mixing.state_passing`, each piece by the modeling
+    file's own ``mamba_selective_scan`` from a zero state (the torch fallback or mamba-ssm's
+    ``selective_scan_fn``: neither takes an initial state, so none is asked of it).
+
+    Inputs ``x, dt [B, n, I]`` (``dt`` raw: the kernel adds ``delta_bias`` and applies softplus),
+    ``B, C [B, n, 1, N]`` (one group read by every channel). State ``[I, N]`` (the kernel's last
+    state); transition ``[I, N]``, element-wise ``exp(A sum_t delta_t)``; correction from the true
+    initial state ``h_0``: ``y_t += sum_N C_t exp(A sum_{s<=t} delta_s) h_0``.
+    """
+
+    num_inputs = 4
+    input_names = ("x", "dt", "B", "C")
+
+    def __init__(self, scan: Callable[..., Any], A: Tensor, D: Tensor | None, delta_bias: Tensor | None,
+                 options: dict[str, Any]) -> None:
+        self.scan, self.A, self.D, self.delta_bias, self.options = scan, A, D, delta_bias, options
+
+    def heads(self, inputs):
+        return inputs[0].shape[2]
+
+    def parameters(self):
+        return [p for p in (self.A, self.D, self.delta_bias) if p is not None]
+
+    def state_shape(self, inputs):
+        return (inputs[0].shape[2], self.A.shape[-1])
+
+    transition_shape = state_shape
+
+    def kernel(self, inputs, initial_state):
+        x, dt, b, c = inputs
+        if x.shape[1] == 0:  # a rank without tokens: nothing to scan
+            h = x.new_zeros(x.shape[0], *self.state_shape(inputs), dtype=summary_dtype(x))
+            return (x.new_zeros(x.shape),), h if initial_state is None else initial_state
+        if initial_state is not None:  # the kernel starts from zeros: correct its outputs
+            summary = self.summarize(inputs)
+            final = self.apply(summary.transition, initial_state) + summary.final
+            return self.correct(inputs, summary, initial_state), final
+        y, last = self.scan(
+            x.transpose(1, 2), dt.transpose(1, 2), self.A, b[:, :, 0].transpose(1, 2), c[:, :, 0].transpose(1, 2),
+            D=self.D, z=None, delta_bias=self.delta_bias, delta_softplus=True, return_last_state=True, **self.options,
+        )
+        return (y.transpose(1, 2),), last
+
+    def apply(self, transition, state):
+        return transition * state
+
+    def summarize(self, inputs):
+        (y,), final = self.kernel(inputs, None)
+        dt = inputs[1]
+        if self.delta_bias is not None:  # the kernel's steps: bias and softplus in dt's dtype
+            dt = dt + self.delta_bias.to(dt.dtype)
+        dtype = summary_dtype(*inputs)
+        cum = F.softplus(dt).to(dtype).cumsum(1)[..., None] * self.A.to(dtype)  # [B, n, I, N]
+        return Summary((y,), final, cum[:, -1].exp(), aux=cum)
+
+    def correct(self, inputs, summary, initial_state):
+        cum, y = summary.aux, summary.outputs[0]
+        fix = (inputs[3].to(cum.dtype) * cum.exp() * initial_state.to(cum.dtype)[:, None]).sum(-1)
+        return ((y + fix).to(y.dtype),)
+
+
+def _install_mamba1(module: nn.Module, state: ParallelState, names: frozenset[str], jamba: bool, mixing: str) -> None:
     kernels = ("causal_conv1d_fn", "mamba_selective_scan", "apply_mask_to_padding_states")
     modeling = _check_forward(module, names, kernels)
+    chooser = ModeChooser(state, mixing)
+
+    def pick(xs: Tensor) -> tuple[str, int | None]:
+        """The mode of this call, for both the conv and the scan (Note [Choosing the mixing mode]).
+        Head-parallel: the conv's ``x`` in and out, the scan's ``x``, ``dt`` in (``B``, ``C``: one
+        group, to every rank) and its output back. State passing: per piece the conv's ``K - 1``
+        token halo and the scan's summary (``b``, ``P``: ``[I, N]`` each)."""
+        batch, local, inner = xs.shape
+        n, e = state.cp_size, xs.element_size()
+        N, K = module.ssm_state_size, module.conv1d.weight.shape[-1]
+        per_token = batch * e * (5 * inner + 2 * N * n)
+        f = torch.empty(0, dtype=summary_dtype(xs)).element_size()
+        sp_bytes = (n - 1) * pieces_per_rank(state) * batch * ((K - 1) * inner * e + 2 * inner * N * f)
+        return chooser.pick(local, inner, per_token, sp_bytes, xs.device)
 
     def conv(shard: HeadShard, xs: Tensor) -> Tensor:
         # xs [B, S, i]: whole sequences of this rank's channels.
@@ -395,7 +592,14 @@ def _install_mamba1(module: nn.Module, state: ParallelState, names: frozenset[st
         hidden_states = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
         xs, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, S_local, I] each
         A = -torch.exp(self.A_log.float())
-        xs = head_parallel(conv, [xs], state)
+        mode, seq_len = pick(xs)
+        if mode == STATE_PASSING:  # the conv by its halo (activation after it: token-wise)
+            from transformers.activations import ACT2FN
+
+            xs = causal_conv1d_halo(xs, self.conv1d.weight.squeeze(1), self.conv1d.bias, state, seq_len=seq_len)
+            xs = xs if self.activation is None else ACT2FN[self.activation](xs)
+        else:
+            xs = head_parallel(conv, [xs], state, seq_len=seq_len)
         xs = modeling.apply_mask_to_padding_states(xs, attention_mask)
         time_step, B, C = torch.split(
             self.x_proj(xs), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
@@ -412,20 +616,27 @@ def _install_mamba1(module: nn.Module, state: ParallelState, names: frozenset[st
         def mix(shard: HeadShard, x: Tensor, d: Tensor, b: Tensor, c: Tensor) -> Tensor:
             return scan(shard, x, d, b, c, A, bias)
 
-        y = head_parallel(mix, [xs, dt, B[:, :, None], C[:, :, None]], state, heads=xs.shape[-1])
+        if mode == STATE_PASSING:
+            options = {"use_mambapy": self.use_mambapy, "use_associative_scan": self.use_associative_scan}
+            rec = _ModelSelectiveScan(modeling.mamba_selective_scan, A, self.D.float(), bias, options)
+            (y,), _ = state_passing(rec, [xs, dt, B[:, :, None], C[:, :, None]], state, seq_len=seq_len)
+        else:
+            y = head_parallel(mix, [xs, dt, B[:, :, None], C[:, :, None]], state, heads=xs.shape[-1], seq_len=seq_len)
         y = y * F.silu(gate)  # the reference scan's z, applied last there too
         return self.out_proj(y.to(dtype))
 
     object.__setattr__(module, "forward", types.MethodType(forward, module))
+    object.__setattr__(module, CHOOSER, chooser)
 
 
-def _mamba1_installer(jamba: bool) -> Callable[[nn.Module, ParallelState], None]:
-    def installer(module: nn.Module, state: ParallelState) -> None:
+def _mamba1_installer(jamba: bool) -> Callable[[nn.Module, ParallelState, str], None]:
+    def installer(module: nn.Module, state: ParallelState, mixing: str) -> None:
         if state.cp_size > 1:
-            _install_mamba1(module, state, _JAMBA_NAMES if jamba else _MAMBA1_NAMES, jamba)
+            _install_mamba1(module, state, _JAMBA_NAMES if jamba else _MAMBA1_NAMES, jamba, mixing)
 
     return installer
 
 
-register_adapter("transformers.models.mamba.modeling_mamba.MambaMixer")(_mamba1_installer(False))
-register_adapter("transformers.models.jamba.modeling_jamba.JambaMambaMixer")(_mamba1_installer(True))
+for _qualname, _jamba in (("transformers.models.mamba.modeling_mamba.MambaMixer", False),
+                          ("transformers.models.jamba.modeling_jamba.JambaMambaMixer", True)):
+    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_mamba1_installer(_jamba))
