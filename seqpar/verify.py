@@ -398,13 +398,15 @@ def _locals(full: Tensor, shape: torch.Size, positions: Tensor, seq_len: int, *,
 
 
 def _error(sharded: Tensor, reference: Tensor) -> tuple[float, float]:
-    """``(max abs error, max abs reference)`` in float64; NaN in both places counts as equal."""
+    """``(max abs error, max abs reference)`` in float64; NaN in both places, or the same infinity
+    (a mask's ``-inf``, DeepSeek-V4's block bias), counts as equal."""
     a, b = (torch.view_as_real(t.detach()) if t.is_complex() else t.detach() for t in (sharded, reference))
     a, b = a.double(), b.double()
     if a.numel() == 0:
         return 0.0, 0.0
     diff = (a - b).abs()
-    diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff).nan_to_num(nan=math.inf)
+    same = (a.isnan() & b.isnan()) | (a.isinf() & (a == b))
+    diff = torch.where(same, torch.zeros_like(diff), diff).nan_to_num(nan=math.inf)
     return float(diff.max()), float(b.abs().nan_to_num(nan=0.0).max())
 
 

@@ -265,5 +265,10 @@ for _qualname in _CLASSES:
 
 
 def sparse_attention_layers(model: nn.Module) -> list[str]:
-    """The paths of ``model``'s DeepSeek sparse attention layers (which this module adapts)."""
-    return [p for p, m in model.named_modules() if f"{type(m).__module__}.{type(m).__qualname__}" in _CLASSES]
+    """The paths of ``model``'s layers whose adapter gathers key-side tensors, which they need on
+    one rank too: DeepSeek sparse attention (this module) and DeepSeek-V4's compressed attention
+    (:mod:`.compressed`; both hand their attention a mask tensor of their own)."""
+    from .compressed import CLASSES as compressed  # it builds on this module
+
+    classes = (*_CLASSES, *compressed)
+    return [p for p, m in model.named_modules() if f"{type(m).__module__}.{type(m).__qualname__}" in classes]
