@@ -8,12 +8,26 @@ the x branch, then the RG-LRU's linear scan ``h_t = a_t * h_{t-1} + x_t`` (``a_t
 the position id is 0: a new document). The gates between them are token-wise (block-diagonal per
 head, from the same token), as are the y branch and the projections.
 
-So each of the two runs head-parallel with every channel a head (Note [Head-parallel mixing]): the
-conv with the module's own weight and bias narrowed to the rank's channels, the scan as the
-module's own ``_rnn_scan`` on whole sequences of those channels, the reset flags travelling along
-as a one-head tensor (every rank receives them all, in global order). The block's forward runs on
-the shard as written; the adapter only routes ``conv_1d``'s forward and ``rg_lru._rnn_scan``
-through those calls while the adapted forward runs (other calls of those children are untouched).
+It runs in either mode (Note [Choosing the mixing mode]), one decision per block call for the
+conv and the scan alike:
+
+- **head-parallel**: each of the two runs head-parallel with every channel a head (Note
+  [Head-parallel mixing]): the conv with the module's own weight and bias narrowed to the rank's
+  channels, the scan as the module's own ``_rnn_scan`` on whole sequences of those channels, the
+  reset flags travelling along as a one-head tensor (every rank receives them all, in global
+  order). Bitwise the one-device block.
+- **state passing**: every rank keeps its own tokens. The conv by its ``K - 1`` token halo
+  (:func:`~seqpar.mixing.causal_conv1d_halo`), the scan by :func:`~seqpar.mixing.state_passing`
+  with each piece run by the module's own ``_rnn_scan`` from a zero state (:class:`_ModelRGLRU`):
+  its final state is the summary's ``b``, ``prod_t a_t (1 - reset_t)`` (formed as the scan forms
+  its gate) the element-wise transition, and the outputs are corrected from the true initial
+  state in closed form, ``y_t += prod_{s<=t} a_s (1 - reset_s) * h_0``. A reset is part of the
+  transition (it zeroes it), so resets anywhere are exact; on shards they come from
+  ``position_ids == 0``, which the model check allows at a sequence start only (dense batches).
+
+The block's forward runs on the shard as written; the adapter only routes ``conv_1d``'s forward
+and ``rg_lru._rnn_scan`` through those calls while the adapted forward runs (other calls of those
+children are untouched).
 
 Caches (``use_cache=True``: the conv and recurrent states the block keeps on itself) and packed
 batches are refused from the call's arguments, which every CP rank passes alike, so every rank
@@ -27,16 +41,19 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...comm import exchange_ints
-from ...mixing import HeadShard, head_parallel
+from ...mixing import HeadShard, Recurrence, Summary, causal_conv1d_halo, head_parallel, state_passing
 from ...state import ParallelState
-from . import register_adapter
-from .gated_delta import refuse_call
+from . import CHOOSER, register_adapter
+from .gated_delta import refuse_call, summary_dtype
+from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import checked_forward, refuse_adapting, set_forward
 
 __all__: list[str] = []
@@ -63,21 +80,90 @@ def _check(module: nn.Module) -> None:
         raise refuse_adapting(cls, "its rg_lru._rnn_scan takes other arguments")
 
 
-class _Recurrence:
-    """The conv and scan one block instance runs with on ``state``'s shards, while ``active``."""
+class _ModelRGLRU(Recurrence):
+    """The RG-LRU scan for :func:`~seqpar.mixing.state_passing`, each piece by the module's own
+    ``_rnn_scan`` from a zero state (its accumulation dtype included), so that a piece is computed
+    as the model computes it.
 
-    def __init__(self, module: nn.Module, state: ParallelState) -> None:
+    Inputs ``x [B, n, W]`` (the normalised, gated input), ``a [B, n, W]`` (the recurrent gate) and
+    ``reset [B, n, 1]`` (1 where a document starts, in ``x``'s dtype), as the forward passes them
+    to the scan. State ``[W]`` (the scan's final state); transition ``[W]``, ``prod_t a_t (1 -
+    reset_t)``; correction from the true initial state ``h_0``: ``y_t += prod_{s<=t} a_s (1 -
+    reset_s) h_0`` (no second scan).
+    """
+
+    num_inputs = 3
+    input_names = ("x", "a", "reset")
+
+    def __init__(self, scan: Callable[..., Any], lru: nn.Module, options: dict[str, Any]) -> None:
+        self.scan, self.lru, self.options = scan, lru, options
+
+    def heads(self, inputs):
+        return inputs[0].shape[2]
+
+    def state_shape(self, inputs):
+        return (inputs[0].shape[2],)
+
+    transition_shape = state_shape
+
+    def kernel(self, inputs, initial_state):
+        x, a, reset = inputs
+        if x.shape[1] == 0:  # a rank without tokens: the scan reads a first token
+            h = x.new_zeros(x.shape[0], x.shape[2], dtype=summary_dtype(x))
+            return (x.new_zeros(x.shape),), h if initial_state is None else initial_state
+        y, h = self.scan(self.lru, x, a, reset != 0, initial_state, **self.options)
+        return (y,), h
+
+    def apply(self, transition, state):
+        return transition * state
+
+    def summarize(self, inputs):
+        (y,), final = self.kernel(inputs, None)
+        x, a, reset = inputs
+        # The scan's gate: a zeroed at resets (in a's dtype), then taken to its accumulation dtype.
+        decay = (a * (reset == 0)).to(summary_dtype(*inputs)).cumprod(1)  # [B, n, W], since the piece start
+        return Summary((y,), final, decay[:, -1], aux=decay)
+
+    def correct(self, inputs, summary, initial_state):
+        decay, y = summary.aux, summary.outputs[0]
+        return ((y + decay * initial_state.to(decay.dtype)[:, None]).to(y.dtype),)
+
+
+class _Mixing:
+    """The conv and scan one block instance runs with on ``state``'s shards, while ``active``,
+    in the mode its :class:`~.modes.ModeChooser` picked for the call."""
+
+    def __init__(self, module: nn.Module, state: ParallelState, mixing: str) -> None:
         self.block = module
         self.state = state
+        self.chooser = ModeChooser(state, mixing)
         self.active = False  # within the adapted forward only
+        self.mode, self.seq_len = HEAD_PARALLEL, None  # of the running call
         self.conv_forward = type(module.conv_1d).forward
         self.scan = inspect.getattr_static(type(module.rg_lru), "_rnn_scan")
+
+    def pick(self, x: Tensor) -> None:
+        """The mode of this call (Note [Choosing the mixing mode]), from the block's input ``x``
+        ``[B, S_local, hidden]``. Bytes each rank receives: head-parallel, the conv's x in and out,
+        the scan's x and gate in (``W`` channels each) and its output back, and the reset flags
+        (one head, to every rank); state passing, per piece the conv's ``K - 1`` token halo and
+        the scan's summary (``b``, ``P``: ``[W]`` each)."""
+        batch, local = x.shape[:2]
+        n, e = self.state.cp_size, x.element_size()
+        width, K = self.block.lru_width, self.block.conv_1d.kernel_size[0]
+        per_token = batch * e * (5 * width + n)
+        f = torch.empty(0, dtype=summary_dtype(x)).element_size()
+        sp_bytes = (n - 1) * pieces_per_rank(self.state) * batch * ((K - 1) * width * e + 2 * width * f)
+        self.mode, self.seq_len = self.chooser.pick(local, width, per_token, sp_bytes, x.device)
 
     def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
         """``conv_1d``'s forward: ``x`` ``[B, C, S_local]`` to ``[B, C, S_local]`` (the block cuts
         the output to ``S_local`` tokens, which it already is)."""
         if not self.active:
             return self.conv_forward(conv, x)
+        if self.mode == STATE_PASSING:
+            y = causal_conv1d_halo(x.transpose(1, 2), conv.weight, conv.bias, self.state, seq_len=self.seq_len)
+            return y.transpose(1, 2)
 
         def mix(shard: HeadShard, xs: Tensor) -> Tensor:  # [B, S, c], whole sequences
             weight = shard.narrow(conv.weight)
@@ -85,7 +171,7 @@ class _Recurrence:
             y = F.conv1d(xs.transpose(1, 2), weight, bias, padding=conv.padding, groups=weight.shape[0])
             return y[..., : xs.shape[1]].transpose(1, 2)
 
-        return head_parallel(mix, [x.transpose(1, 2)], self.state).transpose(1, 2)
+        return head_parallel(mix, [x.transpose(1, 2)], self.state, seq_len=self.seq_len).transpose(1, 2)
 
     def rnn_scan(self, hidden_states: Tensor, recurrent_gate: Tensor, reset: Tensor,
                  recurrent_states: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
@@ -98,25 +184,31 @@ class _Recurrence:
                 f"seqpar: {type(self.block).__name__} on sequence shards takes no recurrent state (decoding "
                 "with a cache is not supported on shards yet); call the model with use_cache=False"
             )
+        # Per row (position ids may have one row for all), in x's dtype: a one-head tensor.
+        flags = reset.to(hidden_states.dtype).expand(hidden_states.shape[0], -1, -1)
+        if self.mode == STATE_PASSING:
+            rec = _ModelRGLRU(self.scan, lru, kwargs)
+            (out,), _ = state_passing(rec, [hidden_states, recurrent_gate, flags], self.state, seq_len=self.seq_len)
+            return out, None
         scan = self.scan
 
         def mix(shard: HeadShard, x: Tensor, a: Tensor, r: Tensor) -> Tensor:
             out, _ = scan(lru, x, a, r != 0, None, **kwargs)
             return out
 
-        # One "head" (every rank receives it whole), per row: position ids may have one row for all.
-        flags = reset.to(hidden_states.dtype).expand(hidden_states.shape[0], -1, -1)
-        out = head_parallel(mix, [hidden_states, recurrent_gate, flags], self.state, heads=hidden_states.shape[-1])
+        # The flags are one "head": every rank receives them all.
+        out = head_parallel(mix, [hidden_states, recurrent_gate, flags], self.state, heads=hidden_states.shape[-1],
+                            seq_len=self.seq_len)
         return out, None
 
 
-def _install(module: nn.Module, state: ParallelState) -> None:
+def _install(module: nn.Module, state: ParallelState, mixing: str) -> None:
     if state.cp_size == 1:  # nothing is sharded: the module runs as it is
         return
     _check(module)
-    recurrence = _Recurrence(module, state)
-    object.__setattr__(module.conv_1d, "forward", types.MethodType(recurrence.conv, module.conv_1d))
-    object.__setattr__(module.rg_lru, "_rnn_scan", recurrence.rnn_scan)
+    mixer = _Mixing(module, state, mixing)
+    object.__setattr__(module.conv_1d, "forward", types.MethodType(mixer.conv, module.conv_1d))
+    object.__setattr__(module.rg_lru, "_rnn_scan", mixer.rnn_scan)
     cls_forward = type(module).forward
     signature = inspect.signature(cls_forward)
 
@@ -131,16 +223,18 @@ def _install(module: nn.Module, state: ParallelState) -> None:
                 "with use_cache=False, or generate with cp_size 1"
             )
         refuse_call(self, None, "use_cache", {**call.get("kwargs", {})})
-        recurrence.active = True
+        mixer.pick(call["input_states"])  # every rank alike: the refusals above are the same on every rank
+        mixer.active = True
         try:
             return cls_forward(self, *args, **kwargs)
         finally:
-            recurrence.active = False
+            mixer.active = False
 
     set_forward(module, forward)
+    object.__setattr__(module, CHOOSER, mixer.chooser)
 
 
-register_adapter(_BLOCK)(_install)
+register_adapter(_BLOCK, modes=(HEAD_PARALLEL, STATE_PASSING))(_install)
 
 
 # --- xLSTM (mLSTM) --------------------------------------------------------------------------------
