@@ -568,6 +568,12 @@ def _pieces(seq_lens: tuple[int, ...], ring_size: int, ulysses_size: int) -> tup
     return tuple(out)
 
 
+def piece_counts(seq_lens: tuple[int, ...], ring_size: int, ulysses_size: int) -> tuple[int, ...]:
+    """Per CP rank, the pieces (runs of consecutive tokens of one sequence) it holds: the rows it
+    hands state passing's all-gathers."""
+    return tuple(len(p) for p in _pieces(tuple(seq_lens), ring_size, ulysses_size))
+
+
 @functools.lru_cache(maxsize=64)
 def _global_order(
     seq_lens: tuple[int, ...], ring_size: int, ulysses_size: int,

@@ -27,12 +27,14 @@ installed. The default is ``"head_parallel"``: the model's kernels bitwise, as o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ...comm import exchange_ints
+from ...mixing.state_passing import piece_counts
 from ...state import ParallelState
 
 __all__ = ["MODES", "MixerMode", "ModeChooser", "check_mixing", "choose_mode"]
@@ -90,9 +92,24 @@ class MixerMode:
     state_passing_bytes: int
 
 
-def pieces_per_rank(state: ParallelState) -> int:
-    """Runs of consecutive tokens per sequence on a rank: 2 on a zig-zag ring, else 1."""
-    return 2 if state.ring_size > 1 else 1
+def pieces_per_rank(state: ParallelState) -> float:
+    """Piece summaries a rank receives from each other rank per sequence, at most (the same on
+    every rank): ``(total - fewest held) / (N - 1)`` over the placement of a long sequence.
+
+    A piece is a run of consecutive tokens (Note [State passing]); the summaries travel in one
+    uneven all-gather, so a rank receives every piece but its own. On a zig-zag ring each ring
+    rank holds two chunks, cut over the Ulysses ranks: with an even Ulysses size every rank holds
+    one piece, with an odd one the rank holding the cut between the chunks holds two."""
+    return _pieces_received(state.ring_size, state.ulysses_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _pieces_received(ring: int, ulysses: int) -> float:
+    n = ring * ulysses
+    if n == 1:
+        return 0.0
+    held = piece_counts((64 * n,), ring, ulysses)
+    return (sum(held) - min(held)) / (n - 1)
 
 
 class ModeChooser:
@@ -119,6 +136,7 @@ class ModeChooser:
             seq_len = sum(row[0] for row in exchange_ints([local], self.state.cp_group, device))
             tokens = math.ceil(seq_len / n)
         hp = tokens * head_parallel_per_token * (n - 1) // n
+        state_passing_bytes = math.ceil(state_passing_bytes)
         mode = choose_mode(heads, n, hp, state_passing_bytes) if self.requested == "auto" else self.requested
         self.last = MixerMode(self.requested, mode, heads, n, tokens, hp, state_passing_bytes)
         return mode, seq_len
