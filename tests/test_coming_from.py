@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.tools.testing import DistPool
-
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "coming-from.md"
 S, H, HKV, D, B = 16, 8, 2, 8, 2  # 2R x U divides S for every split below; GQA 8 / 2
 # peer -> (ring, ulysses, layout of its q, k, v)
@@ -88,9 +86,8 @@ def test_every_peer_has_a_block():
     assert set(_blocks()) == set(PEERS)
 
 
-def test_coming_from_blocks_run_exactly_in_the_peers_placement():
-    with DistPool(4, timeout_s=60) as pool:
-        per_rank = pool.run(_run, _blocks(), _reference())
+def test_coming_from_blocks_run_exactly_in_the_peers_placement(pools):
+    per_rank = pools(4, 60.0).run(_run, _blocks(), _reference())
     for rank, errors in enumerate(per_rank):
         assert set(errors) == set(PEERS), errors
         for peer, err in errors.items():

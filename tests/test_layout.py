@@ -2,9 +2,10 @@
 
 ``import seqpar`` (and every library module) loads no ``seqpar.tools`` module and no
 ``torch.testing`` or ``torch.utils._python_dispatch`` module that ``import torch`` did not load
-already; each is checked in a fresh interpreter. The tools' old paths (``seqpar.testing``,
-``seqpar.one_rank``, ``seqpar.models``, ``seqpar.profiling``) are gone, not kept as re-exporting
-aliases; the scripts import their helpers from ``seqpar.tools`` and edit no ``sys.path``.
+already; each is checked in a fresh process (forked right after ``import torch``). The tools' old
+paths (``seqpar.testing``, ``seqpar.one_rank``, ``seqpar.models``, ``seqpar.profiling``) are gone,
+not kept as re-exporting aliases; the scripts import their helpers from ``seqpar.tools`` and edit
+no ``sys.path``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -37,13 +39,25 @@ LIBRARY = [
     "seqpar.integrations.timm",
 ]
 
-# Prints, as JSON, the modules that importing argv[1] loads beyond those of `import torch`.
+# Prints, one JSON line per module of argv[1:], the modules that importing it loads beyond those of
+# `import torch`: each import runs in a child forked right after `import torch` (a fresh interpreter
+# as far as seqpar is concerned, without importing torch once per module).
 _NEW_MODULES = r"""
-import importlib, json, sys
+import importlib, json, os, sys, traceback
 import torch
-before = set(sys.modules)
-importlib.import_module(sys.argv[1])
-print(json.dumps(sorted(set(sys.modules) - before)))
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        before = set(sys.modules)
+        try:
+            importlib.import_module(name)
+            out = {"module": name, "new": sorted(set(sys.modules) - before)}
+        except BaseException:
+            out = {"module": name, "error": traceback.format_exc()}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
 """
 
 
@@ -62,11 +76,19 @@ def _forbidden(module: str) -> bool:
     )
 
 
+@cache
+def _new_modules() -> dict[str, dict]:
+    proc = _python("-c", _NEW_MODULES, *LIBRARY)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"module"')]
+    return {r["module"]: r for r in rows}
+
+
 @pytest.mark.parametrize("module", LIBRARY)
 def test_library_imports_no_tools(module):
-    proc = _python("-c", _NEW_MODULES, module)
-    assert proc.returncode == 0, proc.stderr
-    new = json.loads(proc.stdout.splitlines()[-1])
+    r = _new_modules().get(module)
+    assert r is not None and "error" not in r, r
+    new = r["new"]
     assert module in new, new
     assert not [m for m in new if _forbidden(m)], f"import {module} loaded {[m for m in new if _forbidden(m)]}"
 

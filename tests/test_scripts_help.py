@@ -6,21 +6,27 @@ from its docstring (double backticks), and states the default of every option th
 two quickest benchmarks run with ``--plot`` and write a PNG, the JSON report still on the last
 line of their output.
 
-Each script runs in its own interpreter (``sys.executable``), as ``python scripts/x.py`` would,
-through a small probe that records the parsers the script builds, so that the test knows which
-options have a default; the ``--help`` runs go a few at a time.
+Each script's ``--help`` runs in this interpreter, as ``__main__`` with ``scripts/`` first on
+``sys.path`` (what ``python scripts/x.py --help`` does, less a fresh interpreter's torch import:
+~2 s of CPU per script), through a probe that records the parsers the script builds, so that the
+test knows which options have a default. One script's ``--help`` also runs in its own interpreter
+and must print the same text.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stderr, redirect_stdout
 from functools import cache
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -32,32 +38,6 @@ NAMES = sorted(
     if p.name.startswith(("bench_", "train_", "example_")) or p.name == "calibrate.py"
 )
 
-# Runs scripts/<argv[1]> with --help as __main__ (like `python scripts/x.py --help`), recording
-# each parser's options that have a default shown by --help; writes {"code", "defaults"} to argv[2].
-_PROBE = r"""
-import argparse, json, runpy, sys
-script, out = sys.argv[1], sys.argv[2]
-parsers = []
-parse_args = argparse.ArgumentParser.parse_args
-def recording(self, *args, **kwargs):
-    parsers.append(self)
-    return parse_args(self, *args, **kwargs)
-argparse.ArgumentParser.parse_args = recording
-sys.argv = [script, "--help"]
-sys.path.insert(0, script.rsplit("/", 1)[0])
-code = None
-try:
-    runpy.run_path(script, run_name="__main__")
-except SystemExit as e:
-    code = e.code
-flag = lambda a: a.nargs == 0 and not isinstance(a, argparse.BooleanOptionalAction)
-defaults = [a.option_strings for p in parsers for a in p._actions
-            if a.option_strings and a.default not in (None, argparse.SUPPRESS) and not flag(a)]
-with open(out, "w") as f:
-    json.dump({"code": code, "defaults": defaults}, f)
-"""
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
@@ -68,17 +48,43 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     )
 
 
+class _Help:
+    """What one ``--help`` run printed, its exit code, the optional package it found missing (if
+    any), and the options with a default of every parser the script built."""
+
+    def __init__(self, name: str) -> None:
+        parsers: list[argparse.ArgumentParser] = []
+        parse_args = argparse.ArgumentParser.parse_args
+
+        def recording(parser, *args, **kwargs):
+            parsers.append(parser)
+            return parse_args(parser, *args, **kwargs)
+
+        out, err = io.StringIO(), io.StringIO()
+        self.code, self.missing = None, None
+        argv, path = sys.argv, sys.path[:]
+        sys.argv = [str(SCRIPTS / name), "--help"]
+        sys.path.insert(0, str(SCRIPTS))
+        try:
+            # COLUMNS: the width a child process with piped output gets, whatever the terminal.
+            with mock.patch.object(argparse.ArgumentParser, "parse_args", recording), \
+                    mock.patch.dict(os.environ, {"COLUMNS": "80"}), redirect_stdout(out), redirect_stderr(err):
+                runpy.run_path(str(SCRIPTS / name), run_name="__main__")
+        except SystemExit as e:
+            self.code = e.code
+        except ModuleNotFoundError as e:
+            self.missing = e.name
+        finally:
+            sys.argv, sys.path[:] = argv, path
+        self.stdout, self.stderr = out.getvalue(), err.getvalue()
+        flag = lambda a: a.nargs == 0 and not isinstance(a, argparse.BooleanOptionalAction)
+        self.defaults = [a.option_strings for p in parsers for a in p._actions
+                         if a.option_strings and a.default not in (None, argparse.SUPPRESS) and not flag(a)]
+
+
 @cache
-def _help_runs(tmp: str) -> dict[str, tuple[subprocess.CompletedProcess, dict | None]]:
-    """Every script's probed ``--help``, run a few at a time (each imports torch: ~2 s of CPU)."""
-
-    def probe(name: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-        out = Path(tmp) / f"{name}.json"
-        proc = _run(["-c", _PROBE, str(SCRIPTS / name), str(out)], timeout=120)
-        return proc, json.loads(out.read_text()) if out.exists() else None
-
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1))) as pool:
-        return dict(zip(NAMES, pool.map(probe, NAMES)))
+def _help(name: str) -> _Help:
+    return _Help(name)
 
 
 def _entries(help_text: str) -> dict[str, str]:
@@ -110,20 +116,27 @@ def _missing_default(help_text: str, options: list[list[str]]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_help_is_readable_and_shows_defaults(name, tmp_path_factory):
-    proc, probe = _help_runs(str(tmp_path_factory.getbasetemp()))[name]
-    missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", proc.stderr)
-    if missing and not missing.group(1).startswith("seqpar"):
-        pytest.skip(f"{name} --help needs the optional package {missing.group(1)!r}, not installed here")
-    assert probe is not None and probe["code"] == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("usage:"), proc.stdout + proc.stderr
-    assert "``" not in proc.stdout, f"{name} --help shows reStructuredText literals:\n{proc.stdout}"
-    assert ":func:`" not in proc.stdout and ":meth:`" not in proc.stdout, proc.stdout
-    assert probe["defaults"], f"{name}: no option with a default was recorded; is the probe still working?"
-    assert not _missing_default(proc.stdout, probe["defaults"]), (
-        f"{name} --help does not show the default of {_missing_default(proc.stdout, probe['defaults'])}:\n"
-        f"{proc.stdout}"
+def test_help_is_readable_and_shows_defaults(name):
+    h = _help(name)
+    if h.missing and not h.missing.startswith("seqpar"):
+        pytest.skip(f"{name} --help needs the optional package {h.missing!r}, not installed here")
+    assert h.code == 0 and not h.missing, (h.missing, h.stdout + h.stderr)
+    assert h.stdout.startswith("usage:"), h.stdout + h.stderr
+    assert "``" not in h.stdout, f"{name} --help shows reStructuredText literals:\n{h.stdout}"
+    assert ":func:`" not in h.stdout and ":meth:`" not in h.stdout, h.stdout
+    assert h.defaults, f"{name}: no option with a default was recorded; is the probe still working?"
+    assert not _missing_default(h.stdout, h.defaults), (
+        f"{name} --help does not show the default of {_missing_default(h.stdout, h.defaults)}:\n{h.stdout}"
     )
+
+
+@pytest.mark.slow
+def test_help_in_its_own_interpreter_prints_what_the_probe_saw():
+    """``python scripts/bench_all_to_all.py --help`` from the shell: the text the in-process probe
+    checks is the text a user sees."""
+    proc = _run(["scripts/bench_all_to_all.py", "--help"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == _help("bench_all_to_all.py").stdout
 
 
 def test_demo_help_is_readable_and_shows_defaults():
