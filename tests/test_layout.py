@@ -22,13 +22,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The tools' old paths, removed: import from seqpar.tools.
-OLD_PATHS = ("seqpar.testing", "seqpar.one_rank", "seqpar.profiling", "seqpar.models")
+# Old paths, removed: import from seqpar.tools (the calibration moved into seqpar.planner).
+OLD_PATHS = ("seqpar.testing", "seqpar.one_rank", "seqpar.profiling", "seqpar.models", "seqpar.tools.calibration")
 
 # The library's entry points: none may pull in a tool.
 LIBRARY = [
     "seqpar",
     "seqpar.planner",
+    "seqpar.planner.calibration",  # the planner's measurements: timed by the library, not a tool
     "seqpar.placement.cost",
     "seqpar.training",
     "seqpar.sdpa",
@@ -99,11 +100,14 @@ def test_old_tool_paths_are_gone(old):
         importlib.import_module(old)
 
 
-def test_planner_calibrate_imports_the_tool_when_called():
+def test_planner_calibrate_is_the_planners_own():
     import seqpar
+    from seqpar.planner.calibration import calibrate
 
     with pytest.raises(ValueError, match="calibrate"):
-        seqpar.planner.calibrate(object())  # not a ParallelState: refused by the tool itself
+        seqpar.planner.calibrate(object())  # not a ParallelState: refused by the measurement itself
+    with pytest.raises(ValueError, match="calibrate"):
+        calibrate(object())
 
 
 def test_scripts_edit_no_sys_path_and_import_helpers_from_tools():

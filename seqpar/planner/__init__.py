@@ -15,8 +15,8 @@
   (:func:`recommend_head_groups`, :func:`auto_head_groups` for ``head_groups="auto"``);
 - :mod:`.memory`: :func:`longest_context` and :class:`ModelShape`, the whole model's memory per
   rank and the longest context that fits (Note [Memory model]);
-- :func:`calibrate`: the measurements (Note [Planner calibration] in
-  ``seqpar.tools.calibration``, imported when called: it times kernels and transfers).
+- :mod:`.calibration`: :func:`calibrate`, the measurements (Note [Planner calibration]), timed
+  with :mod:`.timing`; imported when called, so that ``import seqpar`` loads no timing code.
 
 ``docs/planner.md`` describes the model and its limits.
 """
@@ -61,11 +61,10 @@ __all__ = [
 def calibrate(state: ParallelState, **options: Any) -> CostModel:
     """Measure a :class:`CostModel` on ``state``'s CP group; a collective (every rank calls it).
 
-    The measurement lives with the tools, :func:`seqpar.tools.calibration.calibrate` (its
-    keyword options: ``dtype``, ``device``, ``head_dim``, ``ranks_per_node``, ``repeats``; Note
-    [Planner calibration]), and is imported by this call, so that ``import seqpar`` loads no
-    timing or profiling code.
+    The measurement is :func:`seqpar.planner.calibration.calibrate` (its keyword options:
+    ``dtype``, ``device``, ``head_dim``, ``ranks_per_node``, ``repeats``; Note [Planner
+    calibration]), imported by this call, so that ``import seqpar`` loads no timing code.
     """
-    from ..tools.calibration import calibrate as measure
+    from .calibration import calibrate as measure
 
     return measure(state, **options)

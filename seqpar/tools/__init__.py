@@ -5,7 +5,6 @@ Nothing here is imported by ``import seqpar``; import the module you need:
 - :mod:`.testing`: ``DistPool``, functions run on local gloo ranks (tests, examples);
 - :mod:`.profiling`: time and peak memory of an operation on any device, collective counts;
 - :mod:`.one_rank`: one rank of a ring x Ulysses job alone in a process (Note [One-rank runs]);
-- :mod:`.calibration`: ``calibrate``, the degree planner's measurements (``seqpar.planner.calibrate``);
 - :mod:`.longest`: one rank of a Llama-shaped decoder stack and its peak memory (``scripts/bench_longest.py``);
 - :mod:`.demo`: ``python -m seqpar demo``;
 - :mod:`.check`: ``python -m seqpar check``, every mode against one device on a cluster, links, a recommendation;

@@ -40,10 +40,10 @@ from ..comm import Workspace, all_to_all, group_rank, group_size, post, reduce_
 from ..parallel.ring import RingSetup, ring_backward, ring_forward
 from ..placement import Mask, Placement, ring_plan
 from ..placement.cost import kernel_flops, square_pairs
-from .profiling import median_seconds, sync
 from ..state import ParallelState, require_state
-from ..planner.cost import KINDS, CostModel, KernelRates, Link
-from ..planner.predict import Shape, predict
+from .cost import KINDS, CostModel, KernelRates, Link
+from .predict import Shape, predict
+from .timing import median_seconds, sync
 
 __all__ = ["calibrate"]
 
