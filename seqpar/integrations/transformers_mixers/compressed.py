@@ -60,7 +60,6 @@ device does) and scores its queries against all ``S`` raw keys and all entries.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -68,15 +67,12 @@ import torch
 from torch import Tensor, nn
 
 from ...placement import Mask
-from ...sharding import shard_positions, unshard
+from ...sharding import unshard
 from ...state import ParallelState
 from . import register_adapter
 from .gated_delta import PACKED_KWARGS  # the same packed-batch kwargs every adapter refuses
-from .rebind import (
-    cache_parameter, call_cache, checked_forward, original_kernels, parameter_name, rebind_forward, refuse_adapting,
-    set_forward,
-)
-from .sparse import _PASS_THROUGH_KWARGS, _global_length
+from .rebind import cache_parameter, checked_forward, original_kernels, rebind_forward, refuse_adapting
+from .sparse import _PASS_THROUGH_KWARGS, whole_sequence_forward
 
 __all__ = ["CLASSES"]
 
@@ -249,34 +245,13 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         raise refuse_adapting(cls, "it has no int sliding_window or str layer_type")
     rates = _check_compressor(module) if getattr(module, "compressor", None) is not None else {}
     rebound = rebind_forward(module, {_INTERFACE: _EagerInterface(eager)})
-    cache_name = parameter_name(cls, _CACHE)  # where the forward takes the cache (written below)
-    original = cls.forward
-    signature = inspect.signature(original)
-    name = cls.__name__
 
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        from ..transformers_guard import binding
-
-        bound = binding(getattr(self.config, "_attn_implementation", None))
-        if bound is None or bound.state is not state:  # switched to plain attention (seqpar.verify's reference)
-            return original(self, *args, **kwargs)
-        call = signature.bind(self, *args, **kwargs)
-        arguments = call.arguments
-        mask, extra = arguments.get("attention_mask"), arguments.get("kwargs", {})
-        _refuse_call(self, *call_cache(arguments, _CACHE), mask, extra)
-        if self.compressor is None:  # sliding only: seqpar's attention runs it (window, sinks)
-            return original(self, *args, **kwargs)
-        hidden = arguments["hidden_states"]
-        seq_len = _global_length(hidden.shape[1], state, hidden.device)
-        positions = shard_positions(seq_len, state, device=hidden.device)
+    def prepare(self: nn.Module, arguments: dict[str, Any], hidden: Tensor, seq_len: int, positions: Tensor) -> object:
         arguments["attention_mask"] = _layer_mask(self, positions, seq_len, hidden.shape[0], hidden.dtype)
-        arguments[cache_name] = _WholeSequence(state, seq_len, self.layer_idx, rates, name)
-        for other in _CACHE:  # None here (a cache is refused above); deprecate_kwarg would warn of both names
-            if other != cache_name:
-                extra.pop(other, None)
-        return rebound(*call.args, **call.kwargs)
+        return _WholeSequence(state, seq_len, self.layer_idx, rates, type(self).__name__)
 
-    set_forward(module, forward)
+    # sliding-only layers: seqpar's attention runs them (window, sinks) after the same refusals
+    whole_sequence_forward(module, state, rebound, _refuse_call, None if module.compressor is None else prepare)
 
 
 for _qualname in CLASSES:

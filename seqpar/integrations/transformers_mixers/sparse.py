@@ -231,10 +231,34 @@ def _install(module: nn.Module, state: ParallelState) -> None:
     if not callable(inspect.getattr_static(cls, "expand_kv", None)):
         raise refuse_adapting(cls, "it has no expand_kv (the latent's expansion)")
     rebound = rebind_forward(module, {_INTERFACE: _SELECTED})
+
+    def prepare(self: nn.Module, arguments: dict[str, Any], hidden: Tensor, seq_len: int, positions: Tensor) -> object:
+        causal = positions[:, None] >= torch.arange(seq_len, device=hidden.device)[None, :]
+        arguments["attention_mask"] = causal[None, None]
+        return _WholeSequence(state, seq_len, type(self).__name__)
+
+    whole_sequence_forward(module, state, rebound, _refuse_call, prepare)
+
+
+def whole_sequence_forward(
+    module: nn.Module, state: ParallelState, rebound: Callable[..., Any],
+    refuse: Callable[..., None], prepare: Callable[..., object] | None,
+) -> None:
+    """Set ``module``'s forward: the layer's own (``rebound``) on the shard, its cache replaced by a
+    whole-sequence stand-in (Note [DeepSeek sparse attention on shards]; DeepSeek-V4's compressed
+    attention, :mod:`.compressed`, does the same).
+
+    Per call, while the model is bound to ``state``: ``refuse(self, cache, cache_name, mask,
+    kwargs)`` (before any collective), the global length (one small exchange), then
+    ``prepare(self, arguments, hidden_states, seq_len, positions)`` rewrites the call's arguments
+    (the mask) and returns the stand-in cache. With ``prepare=None`` the class's forward runs after
+    the refusals (no exchange). Bound to plain attention (``seqpar.verify``'s reference), the
+    class's forward runs.
+    """
+    cls = type(module)
     cache_name = parameter_name(cls, _CACHE)  # where the forward takes the cache (written below)
     original = cls.forward
     signature = inspect.signature(original)
-    name = cls.__name__
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         from ..transformers_guard import binding
@@ -245,13 +269,12 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         call = signature.bind(self, *args, **kwargs)
         arguments = call.arguments
         mask, extra = arguments.get("attention_mask"), arguments.get("kwargs", {})
-        _refuse_call(self, *call_cache(arguments, _CACHE), mask, extra)
+        refuse(self, *call_cache(arguments, _CACHE), mask, extra)
+        if prepare is None:
+            return original(self, *args, **kwargs)
         hidden = arguments["hidden_states"]
         seq_len = _global_length(hidden.shape[1], state, hidden.device)
-        positions = shard_positions(seq_len, state, device=hidden.device)
-        causal = positions[:, None] >= torch.arange(seq_len, device=hidden.device)[None, :]
-        arguments["attention_mask"] = causal[None, None]
-        arguments[cache_name] = _WholeSequence(state, seq_len, name)
+        arguments[cache_name] = prepare(self, arguments, hidden, seq_len, shard_positions(seq_len, state, device=hidden.device))
         for other in _CACHE:  # None here (a cache is refused above); deprecate_kwarg would warn of both names
             if other != cache_name:
                 extra.pop(other, None)
