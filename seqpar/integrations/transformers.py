@@ -613,8 +613,9 @@ def _check_temperature_tuning(module: torch.nn.Module, n: int, state: ParallelSt
 #   ``packed`` mask without ``cu_seq_lens_q`` is refused (positions that are neither global
 #   positions nor a declared packing);
 # - the gated delta nets run their conv and rule per sequence (Note [Gated delta net on shards]),
-#   on one rank too: transformers' torch fallbacks ignore the boundaries (a token would read the
-#   previous sequence's conv history and recurrent state).
+#   and the Mamba2 mixers their conv and SSD scan (Note [Mamba adapters]), on one rank too:
+#   transformers' torch fallbacks ignore the boundaries (a token would read the previous
+#   sequence's conv history and recurrent state).
 _PACKED_OK, _PACKED_BAD, _PACKED_BATCH, _PACKED_NO_POSITIONS, _PACKED_POSITIONS, _PACKED_SEQ_IDX = range(6)
 
 
@@ -811,7 +812,8 @@ def _refuse_packed_mixers(model: torch.nn.Module, state: ParallelState, mixers: 
         shown = "; ".join(map(str, refused[:4])) + (f"; and {len(refused) - 4} more" if len(refused) > 4 else "")
         raise NotImplementedError(
             f"{where}: packed batches (cu_seq_lens_q) are not supported for {shown}: seqpar runs packed sequences "
-            "through softmax attention and the gated delta nets (Qwen3-Next, Qwen3.5, OLMo Hybrid) only. "
+            "through softmax attention, the gated delta nets (Qwen3-Next, Qwen3.5, OLMo Hybrid) and the Mamba2 "
+            "mixers (Bamba, Granite 4, Nemotron-H, Zamba2, Falcon-H1) only. "
             "Pass one sequence per row, with position_ids=seqpar.shard_positions(S, state)[None]"
         )
 

@@ -41,13 +41,25 @@ name of the installed release). The installer checks the class's ``forward`` (si
 names its code uses) against what was read; a transformers version whose forward differs is
 refused, on every rank alike, rather than run with a stale copy.
 
+Packed batches (transformers' flattened rows; Note [Packed sequences in transformers models]) run
+in the Mamba2 mixers of the models with softmax attention, whose model check has validated the
+global ``cu_seq_lens_q`` (and ``seq_idx``) against the ``shard_packed`` shards: ``seq_lens`` are its
+differences, and each sequence's conv and scan start from zero history and state (head-parallel:
+the module's kernels on every ``shard.cu_seqlens`` segment alone; state passing: the halo and the
+states stop at every sequence start). ``seq_idx`` and the boundaries describe the shard's tokens,
+so they never reach a kernel. With one rank the adapter is installed for packed calls only (dense
+calls run the class's forward): transformers' torch fallbacks ignore the boundaries. Jamba's
+decoder layers do not hand the kwargs to their Mamba1 mixer (the model check names it), and Mamba2
+itself has no attention and so no model check: both refuse packed batches.
+
 Not supported on shards, refused with the same error on every rank (one exchange of ints when
 the CP ranks check collectively, ``ParallelState.checks``): a cache (``cache_params`` /
 ``past_key_values``, ``cache`` from 5.24: decoding, or prefill into a cache, which would need the
-states at the shard ends), packed-batch kwargs (``seq_idx``, ``cu_seq_lens_*``), and a 2-D padding mask that
-is not this rank's ``[B, S_local]`` shard. A mask of the shard's shape is applied as the
-reference does (token-wise, before the projection and after the conv; in Mamba2 layers it travels
-with ``dt``, ones where a rank has none, since transformers hands a rank without padding None).
+states at the shard ends), packed-batch kwargs other than the above (without ``cu_seq_lens_q``, or
+with a padding mask), and a 2-D padding mask that is not this rank's ``[B, S_local]`` shard. A
+mask of the shard's shape is applied as the reference does (token-wise, before the projection and
+after the conv; in Mamba2 layers it travels with ``dt``, ones where a rank has none, since
+transformers hands a rank without padding None).
 
 Two containers are adapted too, so that the model check does not name them: Zamba2's
 ``Zamba2MambaDecoderLayer`` (a "hybrid" layer holds it one level down; an RMSNorm, the adapted
@@ -73,7 +85,7 @@ from ...mixing import HeadShard, Recurrence, Summary, causal_conv1d_halo, head_p
 from ...prepare import collective_checks
 from ...state import ParallelState
 from . import CHOOSER, register_adapter
-from .gated_delta import summary_dtype
+from .gated_delta import mark_packed, summary_dtype
 from .modes import HEAD_PARALLEL, STATE_PASSING, ModeChooser, pieces_per_rank
 from .rebind import cache_parameter, call_cache, shown, takes
 
@@ -110,7 +122,10 @@ _PARAMETERS = ("self", "hidden_states", _CACHE_PARAMETER, "attention_mask", "kwa
 # kwargs of packed batches (transformers' flash-attention varlen kwargs, Mamba's seq_idx).
 _PACKED_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
-_CACHE, _PACKED, _MASK = 1, 2, 3  # refusal codes exchanged between the CP ranks
+# refusal codes exchanged between the CP ranks: a cache, packed kwargs this mixer does not run,
+# packed kwargs without cu_seq_lens_q, a mask that is not the shard's, a padding mask next to
+# packing, a packed batch of more than one row
+_CACHE, _PACKED, _PACKED_PARTIAL, _MASK, _PACKED_MASK, _PACKED_ROWS = 1, 2, 3, 4, 5, 6
 
 
 def _check_forward(module: nn.Module, names: frozenset[str], kernels: tuple[str, ...]) -> types.ModuleType:
@@ -158,26 +173,45 @@ def _mask_row(mask: Tensor | None, batch: int, local: int) -> list[int]:
 
 def _refuse_together(
     module: nn.Module, state: ParallelState, hidden: Tensor, cache: Any, mask: Tensor | None,
-    kwargs: dict[str, Any],
-) -> None:
-    """Raise the same error on every CP rank if any rank's call cannot run exactly on shards."""
+    kwargs: dict[str, Any], runs_packed: bool = False,
+) -> tuple[int, ...] | None:
+    """Raise the same error on every CP rank if any rank's call cannot run exactly on shards.
+    Returns a packed call's global sequence lengths (``runs_packed``: the mixer runs packed
+    batches; the model check validated ``cu_seq_lens_q`` and the shards against each other),
+    else ``None``."""
     row = _mask_row(mask, *hidden.shape[:2])
+    seq_lens = None
+    given = [k for k in _PACKED_KWARGS if kwargs.get(k) is not None]
     if cache is not None:
         row = [_CACHE, 0, 0]
-    elif any(kwargs.get(k) is not None for k in _PACKED_KWARGS):
+    elif given and not runs_packed:
         row = [_PACKED, 0, 0]
+    elif given and (kwargs.get("cu_seq_lens_q") is None or kwargs.get("cu_seqlens") is not None):
+        row = [_PACKED_PARTIAL, 0, 0]
+    elif given and mask is not None:
+        row = [_PACKED_MASK, 0, 0]
+    elif given and hidden.shape[0] != 1:
+        row = [_PACKED_ROWS, hidden.shape[0], 0]
+    elif given:
+        cu = kwargs["cu_seq_lens_q"]
+        bounds = [int(b) for b in (cu.tolist() if isinstance(cu, Tensor) else cu)]
+        seq_lens = tuple(b - a for a, b in zip(bounds, bounds[1:]))
     _raise_together(module, state, hidden.device, row)
+    return seq_lens
 
 
 def _arguments(
     module: nn.Module, state: ParallelState, signature: inspect.Signature, args: tuple, kwargs: dict[str, Any],
-) -> tuple[Tensor, Tensor | None]:
-    """``(hidden_states, attention_mask)`` of a call bound as the class's forward takes it (its cache
-    under either name, Note [Renamed cache parameter]), after refusing together what does not run."""
+    runs_packed: bool = False,
+) -> tuple[Tensor, Tensor | None, tuple[int, ...] | None]:
+    """``(hidden_states, attention_mask, seq_lens)`` of a call bound as the class's forward takes it
+    (its cache under either name, Note [Renamed cache parameter]), after refusing together what
+    does not run; ``seq_lens``: a packed call's global sequence lengths (``runs_packed`` only)."""
     call = signature.bind(module, *args, **kwargs).arguments
     hidden, mask = call["hidden_states"], call.get("attention_mask")
-    _refuse_together(module, state, hidden, call_cache(call, _CACHE_PARAMETER)[0], mask, call.get("kwargs", {}))
-    return hidden, mask
+    seq_lens = _refuse_together(
+        module, state, hidden, call_cache(call, _CACHE_PARAMETER)[0], mask, call.get("kwargs", {}), runs_packed)
+    return hidden, mask, seq_lens
 
 
 def _raise_together(module: nn.Module, state: ParallelState, device: torch.device, row: list[int]) -> None:
@@ -200,8 +234,25 @@ def _raise_together(module: nn.Module, state: ParallelState, device: torch.devic
         )
     if code == _PACKED:
         raise NotImplementedError(
-            f"{where} was called with packed-batch kwargs ({', '.join(_PACKED_KWARGS)}); Mamba mixers run "
-            "dense batches on shards: pass one sequence per row"
+            f"{where} was called with packed-batch kwargs ({', '.join(_PACKED_KWARGS)}); this Mamba mixer runs "
+            "dense batches on shards (packed batches run for the Mamba2 mixers of models with attention: "
+            "Bamba, Granite 4, Nemotron-H, Zamba2, Falcon-H1): pass one sequence per row"
+        )
+    if code == _PACKED_PARTIAL:
+        raise NotImplementedError(
+            f"{where} runs packed batches given by the global cu_seq_lens_q (transformers' "
+            "DataCollatorWithFlattening), not by seq_idx or cu_seqlens alone; pass cu_seq_lens_q / cu_seq_lens_k "
+            "of the whole batch with input_ids and position_ids sharded by seqpar.shard_packed"
+        )
+    if code == _PACKED_MASK:
+        raise NotImplementedError(
+            f"{where} got a padding attention_mask together with packed sequences (cu_seq_lens_q); a packed "
+            "batch has no padding: drop the mask (the boundaries keep the sequences apart)"
+        )
+    if code == _PACKED_ROWS:
+        raise ValueError(
+            f"{where} got a packed batch of {got} rows; a packed batch is one row [1, T_local] "
+            "(transformers' DataCollatorWithFlattening)"
         )
     raise ValueError(
         f"{where} got a 2-D attention_mask of {got} tokens for a shard of {local}; pass this rank's shard "
@@ -210,6 +261,8 @@ def _raise_together(module: nn.Module, state: ParallelState, device: torch.devic
 
 
 # --- Mamba2 (SSD) -------------------------------------------------------------------------------
+
+_MAMBA2_KERNELS = ("causal_conv1d_fn", "mamba2_chunk_scan", "apply_mask_to_padding_states")
 
 
 class _ModelSSD(Recurrence):
@@ -287,11 +340,13 @@ def _ranks_per_group(heads: int, groups: int, ranks: int) -> int:
 
 def _mamba2_mixing(
     self: nn.Module, modeling: types.ModuleType, state: ParallelState, projected: Tensor, mask: Tensor | None,
-    chooser: ModeChooser,
+    chooser: ModeChooser, seq_lens: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(scan output [B, S_local, I], gate)`` from the shard's projections: conv and scan of whole
     sequences of this rank's heads (one head_parallel call), or of this rank's own tokens by the
-    conv's halo and state passing (the mode ``chooser`` picks)."""
+    conv's halo and state passing (the mode ``chooser`` picks). ``seq_lens``: a packed call's global
+    sequence lengths (one row ``[1, T_local]`` in ``shard_packed``'s placement, no mask): every
+    sequence's conv and scan start from zero history and state."""
     B_, S_local = projected.shape[:2]
     H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
     I = self.intermediate_size  # noqa: E741 - the modeling code's name
@@ -322,15 +377,18 @@ def _mamba2_mixing(
         # forward applies it, then the scan by state passing: every rank its own tokens.
         from transformers.activations import ACT2FN
 
-        conv_out = causal_conv1d_halo(xbc, weight, bias, state, seq_len=seq_len)
+        if seq_lens is not None:  # packed: [T_local, ...], no halo or state crosses a sequence start
+            xbc, dt, seq_len = xbc[0], dt[0], None
+        conv_out = causal_conv1d_halo(xbc, weight, bias, state, seq_len=seq_len, seq_lens=seq_lens)
         if self.activation is not None:
             conv_out = ACT2FN[self.activation](conv_out)
         conv_out = modeling.apply_mask_to_padding_states(conv_out, mask)
         xs, bs, cs = conv_out.split([I, G * N, G * N], dim=-1)
         scan = _ModelSSD(modeling.mamba2_chunk_scan, A, self.D, self.dt_bias, self.chunk_size, self.time_step_limit)
+        tokens = xs.shape[:-1]  # (B, S_local), packed (T_local,)
         (y,), _ = state_passing(
-            scan, [xs.view(B_, S_local, H, P), bs.view(B_, S_local, G, N), cs.view(B_, S_local, G, N), dt], state,
-            seq_len=seq_len,
+            scan, [xs.view(*tokens, H, P), bs.view(*tokens, G, N), cs.view(*tokens, G, N), dt], state,
+            seq_len=seq_len, seq_lens=seq_lens,
         )
         return y.reshape(B_, S_local, I), gate
 
@@ -347,15 +405,16 @@ def _mamba2_mixing(
         ]
         return torch.cat(parts)
 
-    def mix(shard: HeadShard, xs: Tensor, bs: Tensor, cs: Tensor, dts: Tensor, keep: Tensor) -> Tensor:
-        # xs [B, S, h, P], bs/cs [B, S, g, N], dts [B, S, h], keep [B, S, 1]: whole sequences, in order.
+    def mix(shard: HeadShard, xs: Tensor, bs: Tensor, cs: Tensor, dts: Tensor, keep: Tensor | None) -> Tensor:
+        # xs [B, S, h, P], bs/cs [B, S, g, N], dts [B, S, h], keep [B, S, 1] or None (packed):
+        # whole sequences, in order.
         h, g = xs.shape[2], bs.shape[2]
         conv_in = torch.cat([xs.flatten(2), bs.flatten(2), cs.flatten(2)], dim=-1)
         conv_out = modeling.causal_conv1d_fn(
             conv_in.transpose(1, 2), narrow3(weight, shard, K), narrow3(bias, shard, None), activation=self.activation,
         ).transpose(1, 2)
         # The padding mask, applied after the conv as the reference does (ones: a no-op, exactly).
-        conv_out = modeling.apply_mask_to_padding_states(conv_out, keep[:, :, 0])
+        conv_out = modeling.apply_mask_to_padding_states(conv_out, None if keep is None else keep[:, :, 0])
         xs, bs, cs = conv_out.split([h * P, g * N, g * N], dim=-1)
         bs, cs = bs.unflatten(2, (g, N)), cs.unflatten(2, (g, N))
         if shard.start % per_group or shard.count % per_group:
@@ -367,19 +426,33 @@ def _mamba2_mixing(
             dt_softplus=True, initial_states=None, dt_limit=self.time_step_limit,
         )
 
+    tensors = [x.view(B_, S_local, H, P), b.view(B_, S_local, G, N), c.view(B_, S_local, G, N), dt]
+    if seq_lens is not None:
+
+        def mix_packed(shard: HeadShard, xs: Tensor, bs: Tensor, cs: Tensor, dts: Tensor) -> Tensor:
+            # [T, h, ...]: the conv and the scan of every sequence on its own, from zero history
+            # and state, as one device runs each sequence (the torch fallbacks take no boundaries).
+            bounds = shard.cu_seqlens.tolist()
+            outs = [
+                mix(shard, *(t[None, a:b] for t in (xs, bs, cs, dts)), None)[0]
+                for a, b in zip(bounds, bounds[1:]) if b > a
+            ]
+            return torch.cat(outs) if outs else xs.new_zeros(xs.shape, dtype=summary_dtype(xs))
+
+        y = head_parallel(mix_packed, [t[0] for t in tensors], state, heads=H, seq_lens=seq_lens)
+        return y.reshape(B_, S_local, I), gate
     # The mask travels always, as one grouped head of dt's dtype (in dt's all-to-all): transformers
     # gives a rank whose shard has no padding None (create_recurrent_attention_mask), another one
     # a tensor, and every rank must pass the same tensors.
     keep = dt.new_ones(B_, S_local, 1) if mask is None else mask[:, :, None].to(dt.dtype)
-    tensors = [x.view(B_, S_local, H, P), b.view(B_, S_local, G, N), c.view(B_, S_local, G, N), dt, keep]
-    y = head_parallel(mix, tensors, state, heads=H, seq_len=seq_len)
+    y = head_parallel(mix, [*tensors, keep], state, heads=H, seq_len=seq_len)
     return y.reshape(B_, S_local, I), gate
 
 
 def _install_mamba2(
-    module: nn.Module, state: ParallelState, names: frozenset[str], falcon: bool, mixing: str,
+    module: nn.Module, state: ParallelState, names: frozenset[str], falcon: bool, mixing: str, packed: bool,
 ) -> None:
-    modeling = _check_forward(module, names, ("causal_conv1d_fn", "mamba2_chunk_scan", "apply_mask_to_padding_states"))
+    modeling = _check_forward(module, names, _MAMBA2_KERNELS)
     if module.num_heads % module.n_groups:
         raise NotImplementedError(
             f"seqpar: {type(module).__name__} has {module.num_heads} heads in {module.n_groups} groups; "
@@ -388,10 +461,13 @@ def _install_mamba2(
 
     signature = inspect.signature(type(module).forward)
     chooser = ModeChooser(state, mixing)
+    one_rank = state.cp_size == 1  # adapted for packed calls only (see _mamba2_installer)
 
     @_accelerate_hooks(["conv1d"])
     def forward(self, *args, **kwargs):
-        hidden_states, attention_mask = _arguments(self, state, signature, args, kwargs)
+        if one_rank and signature.bind(self, *args, **kwargs).arguments.get("kwargs", {}).get("cu_seq_lens_q") is None:
+            return type(self).forward(self, *args, **kwargs)  # a dense call on one rank: as it is
+        hidden_states, attention_mask, seq_lens = _arguments(self, state, signature, args, kwargs, packed)
         dtype = hidden_states.dtype
         hidden_states = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
         if falcon:
@@ -399,7 +475,7 @@ def _install_mamba2(
         projected = self.in_proj(hidden_states)
         if falcon:
             projected = projected * self.mup_vector
-        y, gate = _mamba2_mixing(self, modeling, state, projected, attention_mask, chooser)
+        y, gate = _mamba2_mixing(self, modeling, state, projected, attention_mask, chooser, seq_lens)
         if not falcon or self.mamba_rms_norm:
             y = self.norm(y, gate)
         else:
@@ -407,29 +483,48 @@ def _install_mamba2(
         return self.out_proj(y.to(dtype))
 
     object.__setattr__(module, "forward", types.MethodType(forward, module))
-    object.__setattr__(module, CHOOSER, chooser)
+    if packed:
+        mark_packed(module, state)
+    if one_rank:
+        vars(module).pop(CHOOSER, None)  # mixing_modes reports calls on shards only
+    else:
+        object.__setattr__(module, CHOOSER, chooser)
 
 
+# Per Mamba2 mixer class: (Falcon-H1's variant, runs packed batches). Packed batches run where the
+# model hands transformers' packed kwargs to the mixer and has softmax attention, whose model check
+# validates the global cu_seq_lens_q against the shards (Note [Packed sequences in transformers
+# models]); Mamba2 itself (no attention) has no such check and keeps refusing them.
 _MAMBA2_CLASSES = {
-    "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer": False,
-    "transformers.models.bamba.modeling_bamba.BambaMixer": False,
-    "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": False,
-    "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": False,
-    "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer": False,
-    "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer": True,
+    "transformers.models.mamba2.modeling_mamba2.Mamba2Mixer": (False, False),
+    "transformers.models.bamba.modeling_bamba.BambaMixer": (False, True),
+    "transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": (False, True),
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": (False, True),
+    "transformers.models.zamba2.modeling_zamba2.Zamba2MambaMixer": (False, True),
+    "transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer": (True, True),
 }
 
 
-def _mamba2_installer(falcon: bool) -> Callable[[nn.Module, ParallelState, str], None]:
+def _mamba2_installer(falcon: bool, packed: bool) -> Callable[[nn.Module, ParallelState, str], None]:
     def installer(module: nn.Module, state: ParallelState, mixing: str) -> None:
-        if state.cp_size > 1:  # one rank: the module runs as it is
-            _install_mamba2(module, state, _FALCON_H1_NAMES if falcon else _MAMBA2_NAMES, falcon, mixing)
+        names = _FALCON_H1_NAMES if falcon else _MAMBA2_NAMES
+        if state.cp_size > 1:
+            _install_mamba2(module, state, names, falcon, mixing, packed)
+        elif packed:
+            # One rank: the module runs as it is, except for packed calls: transformers' torch
+            # fallbacks ignore the boundaries (a sequence would read the previous one's conv history
+            # and scan state), so those run through the adapter, per sequence. A forward of another
+            # transformers version stays unadapted there: the model check then refuses packed calls.
+            try:
+                _install_mamba2(module, state, names, falcon, mixing, packed)
+            except NotImplementedError:
+                return
 
     return installer
 
 
-for _qualname, _falcon in _MAMBA2_CLASSES.items():
-    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_mamba2_installer(_falcon))
+for _qualname, (_falcon, _packed) in _MAMBA2_CLASSES.items():
+    register_adapter(_qualname, modes=(HEAD_PARALLEL, STATE_PASSING))(_mamba2_installer(_falcon, _packed))
 
 
 _MASK_HOOK = "_seqpar_mask_hook"  # attribute of an adapted Mamba2Model: its pre-hook's handle
@@ -474,13 +569,19 @@ def _mamba2_model(module: nn.Module, state: ParallelState) -> None:
 def _zamba2_mamba_layer(module: nn.Module, state: ParallelState) -> None:
     """Zamba2's "hybrid" layers hold their Mamba layer one level down (``mamba_decoder``), and the
     model check names that layer, not its mixer. It is an RMSNorm, the mixer (adapted by its own
-    entry above, installed right after this one) and a residual: exact once the mixer is."""
+    entry above, installed right after this one) and a residual: exact once the mixer is, packed
+    batches included (it hands the packed kwargs on to the mixer)."""
     children = {name: type(m).__name__ for name, m in module.named_children()}
     if children != {"mamba": "Zamba2MambaMixer", "input_layernorm": "Zamba2RMSNorm"}:
         raise NotImplementedError(
             f"seqpar: Zamba2MambaDecoderLayer has the children {children}, not the RMSNorm and Mamba "
             f"mixer read in transformers {READ_AGAINST}; run the model with cp_size 1"
         )
+    try:  # packed batches run where the mixer's adapter runs them (one rank: only if it installs)
+        _check_forward(module.mamba, _MAMBA2_NAMES, _MAMBA2_KERNELS)
+    except NotImplementedError:
+        return
+    mark_packed(module, state)
 
 
 # --- Mamba1 (selective scan) ----------------------------------------------------------------------
@@ -587,7 +688,7 @@ def _install_mamba1(module: nn.Module, state: ParallelState, names: frozenset[st
 
     @_accelerate_hooks(["conv1d", "dt_proj"])
     def forward(self, *args, **kwargs):
-        hidden_states, attention_mask = _arguments(self, state, signature, args, kwargs)
+        hidden_states, attention_mask, _ = _arguments(self, state, signature, args, kwargs)
         dtype = hidden_states.dtype
         hidden_states = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
         xs, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, S_local, I] each
