@@ -20,7 +20,7 @@ not offer is refused at install and reported as such). Where flash-linear-attent
 gated backward (Hopper with Triton < 3.7.1, fla #640), its rows are forward only: run the script a
 second time without fla on the path for the gradients through the torch fallback.
 
-Usage: python scripts/gpu_hybrid.py [--world 2] [--seq 1031] [--splits 1x2,2x1]
+Usage: python scripts/gpu_hybrid.py [--world 2] [--seq 1031] [--splits 1x2]
        [--mixing head_parallel,state_passing] [--no-kernel] [--out DIR]
 Writes hybrid.json and prints a table. Exit code 0 when every family ran and was within tolerance.
 """
@@ -237,7 +237,10 @@ def main() -> int:
     p.add_argument("--kernel-seqs", default="16384,65536")
     p.add_argument("--pool-timeout", type=float, default=300)
     p.add_argument("--families", default=",".join(FAMILIES))
-    p.add_argument("--splits", default="1x2,2x1", help="ring x Ulysses splits of --world ranks, comma-separated")
+    p.add_argument("--splits", default=None,
+                   help="ring x Ulysses splits of --world ranks, comma-separated (default: Ulysses 1 x world on the "
+                        "GPU, where the ranks share one device over gloo, which sends no CUDA tensor point to point "
+                        "(the ring refuses it); with --cpu-smoke also the ring, world x 1)")
     p.add_argument("--mixing", default="head_parallel,state_passing", help="mixing modes, comma-separated")
     p.add_argument("--no-kernel", action="store_true", help="skip the kernel timing step")
     p.add_argument("--cpu-smoke", action="store_true", help="the exactness step on CPU ranks (plumbing)")
@@ -259,6 +262,8 @@ def main() -> int:
         result["fla"] = fla.__version__
     except ImportError:
         result["fla"] = None
+    if args.splits is None:
+        args.splits = f"1x{args.world},{args.world}x1" if args.cpu_smoke else f"1x{args.world}"
     splits = [tuple(int(x) for x in sp.split("x")) for sp in args.splits.split(",")]
     if any(r * u != args.world for r, u in splits):
         p.error(f"every split must multiply to --world {args.world}, got {args.splits}")
