@@ -6,7 +6,7 @@ attention, state-space scans, short convolutions, recurrences, indexers and comp
 keys) is refused on shards with a ``NotImplementedError`` naming the module, the same on every rank,
 at ring 2 x Ulysses 2 and at a 3-rank ring; on one rank nothing is sharded and such models run.
 Ordinary families are not refused. The attention function refuses arguments it does not honour
-(MiniMax-M3's ``block_indices``) on one rank and on four, and a check that fails on one rank only
+(an indexer's ``block_indices``) on one rank and on four, and a check that fails on one rank only
 (a key count of its own) makes every rank raise. One pool per world with a short collective
 timeout, so that a rank left waiting fails the test.
 """
@@ -49,7 +49,7 @@ FIRST_MIXER: dict[str, str | None] = {
     "deepseek_v4": None,  # runs exactly on shards (its adapter: docs/sparse-attention.md)
     "deepseek_v32": "model.layers.0.self_attn.indexer (DeepseekV32Indexer: config.layer_types[0] = 'indexed_attention')",
     "glm_moe_dsa": "model.layers.0.self_attn.indexer (GlmMoeDsaIndexer: config.layer_types[0] = 'indexed_attention')",
-    "minimax_m3_vl": "model.layers.0.self_attn.indexer (MiniMaxM3VLIndexer: config.layer_types[0] = 'minimax_m3_sparse')",
+    "minimax_m3_vl": None,  # runs exactly on shards (its adapter: docs/sparse-attention.md)
 }
 # Ordinary families (rotary embeddings, MoE routers and experts, norms, MLPs): nothing to refuse.
 ORDINARY = {
@@ -240,15 +240,17 @@ def test_custom_mixer_is_found_whatever_its_name():
 # --- the attention function's arguments ---------------------------------------------------------------
 
 
-def test_minimax_m3_block_indices_refused_on_one_rank():
-    """MiniMax-M3's text model passes block_indices= (its block-sparse selection): dense attention
-    would be wrong on one rank already, so the argument is refused."""
-    name = register(ParallelState(), name="seqpar-test-model-check-m3")
-    model = causal_lm_class("minimax_m3_vl")._from_config(
-        tiny_hf_config("minimax_m3_vl", vocab_size=VOCAB), attn_implementation=name).eval()
-    ids = torch.randint(3, VOCAB, (1, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+def test_block_indices_refused_on_one_rank():
+    """A layer that hands its block-sparse selection (block_indices=) to seqpar's attention function:
+    dense attention would be wrong on one rank already, so the argument is refused. (MiniMax-M3's
+    sparse layers fold it into their mask through their adapter: tests/test_sparse_minimax_m3.py.)"""
+    from transformers import AttentionInterface
+
+    fn = AttentionInterface()[register(ParallelState(), name="seqpar-test-model-check-m3")]
+    q, kv = torch.randn(1, 4, SEQ_LEN, 8, dtype=torch.float64), torch.randn(1, 2, SEQ_LEN, 8, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="block_indices is given, but key blocks selected per query"):
-        model(input_ids=ids, position_ids=torch.arange(SEQ_LEN)[None])
+        fn(_Attention(), q, kv, kv, None, position_ids=torch.arange(SEQ_LEN)[None],
+           block_indices=torch.zeros(1, 2, SEQ_LEN, 2, dtype=torch.long))
 
 
 class _Attention(torch.nn.Module):

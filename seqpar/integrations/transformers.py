@@ -33,7 +33,7 @@ attention function runs ``seqpar.attention`` with that mask, the softcap and the
 checking that the kwargs agree with it. Any other kwarg is either a known pass-through that does
 not change attention (``use_cache``, ``output_attentions``, ...: ``_PASS_THROUGH_KWARGS``) or, when
 not ``None``, refused on every rank: ignoring it would compute another attention than the model's
-(MiniMax-M3's ``block_indices``, DeepSeek-V3.2's ``indices``: key selection by an indexer).
+(an indexer's ``block_indices`` or ``indices`` from a sparse layer that has no adapter: key selection).
 transformers' conventions, which seqpar follows exactly:
 
 - ``sliding_window=W`` (``sliding_window_overlay``: ``kv_idx > q_idx - W``): a query sees itself
@@ -826,8 +826,8 @@ def _path_and_ancestors(path: str) -> list[str]:
 def _check_kwargs(kwargs: dict[str, Any], dropout: float, packed: bool = False) -> None:
     """Refuse attention dropout and every kwarg seqpar does not honour (``_UNSUPPORTED_KWARGS``, and
     any name outside ``_HONOURED_KWARGS`` / ``_PASS_THROUGH_KWARGS``) that is not None: ignoring one
-    would compute another attention than the model's (MiniMax-M3's ``block_indices`` select key
-    blocks; dense attention would be wrong on one rank already). ``packed``: the packed-batch
+    would compute another attention than the model's (an indexer's ``block_indices`` select key
+    blocks; dense attention would be wrong on one rank already; the sparse adapters consume them). ``packed``: the packed-batch
     kwargs are honoured (``cu_seq_lens_q`` given, no cache); otherwise they are refused."""
     for name in sorted(kwargs):
         if kwargs[name] is None or name in _HONOURED_KWARGS or name in _PASS_THROUGH_KWARGS:

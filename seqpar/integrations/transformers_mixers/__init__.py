@@ -46,7 +46,7 @@ class _Adapter:
 
 
 _ADAPTERS: dict[str, _Adapter] = {}
-_FAMILIES = ("gated_delta", "short_conv", "mamba", "linear_attention", "recurrent", "sparse", "compressed")  # modules of this package whose import registers their adapters (filled below)
+_FAMILIES = ("gated_delta", "short_conv", "mamba", "linear_attention", "recurrent", "sparse", "compressed", "block_sparse")  # modules of this package whose import registers their adapters (filled below)
 _INSTALLED = "_seqpar_mixer"  # attribute of an adapted module: the ParallelState it is bound to
 _MIXING = "_seqpar_mixing"  # attribute of an adapted module: the mixing it was installed with
 CHOOSER = "_seqpar_mode_chooser"  # attribute of a module whose adapter runs both modes: its ModeChooser

@@ -289,9 +289,12 @@ for _qualname in _CLASSES:
 
 def sparse_attention_layers(model: nn.Module) -> list[str]:
     """The paths of ``model``'s layers whose adapter gathers key-side tensors, which they need on
-    one rank too: DeepSeek sparse attention (this module) and DeepSeek-V4's compressed attention
-    (:mod:`.compressed`; both hand their attention a mask tensor of their own)."""
+    one rank too: DeepSeek sparse attention (this module), DeepSeek-V4's compressed attention
+    (:mod:`.compressed`) and MiniMax-M3's block-sparse layers (:mod:`.block_sparse`; all hand
+    their attention a mask tensor of their own)."""
+    from .block_sparse import block_sparse_layers  # MiniMax-M3's layers with an indexer; it builds on this module
     from .compressed import CLASSES as compressed  # it builds on this module
 
     classes = (*_CLASSES, *compressed)
-    return [p for p, m in model.named_modules() if f"{type(m).__module__}.{type(m).__qualname__}" in classes]
+    paths = [p for p, m in model.named_modules() if f"{type(m).__module__}.{type(m).__qualname__}" in classes]
+    return paths + block_sparse_layers(model)
