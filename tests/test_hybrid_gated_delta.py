@@ -13,24 +13,20 @@ collective timeout), and
 seqpar.verify finds every module of an LFM2 and a Qwen3-Next model exact on 2 x 2. With one rank nothing changes.
 """
 
-import contextlib
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from seqpar import ParallelState, shard, shard_positions  # noqa: E402
-from seqpar.integrations.transformers import generate, register  # noqa: E402
+from _hf import (  # noqa: E402
+    SEQ_LEN, build, cache_and_packed_refusals, each_world, one_device, one_thread, shard_errors, token_ids,
+)
+
+from seqpar import ParallelState  # noqa: E402
+from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
-from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 from seqpar.verify import verify  # noqa: E402
 
-VOCAB = 97
-SEQ_LEN = 37  # odd: no split is even
 TOL = 1e-10  # float64
 # Parameters the modeling code itself takes through float32 (Qwen's RMSNorm weights, the decay's
 # A_log.float()): their gradients are float32 sums over tokens, so per-rank partial sums round
@@ -55,110 +51,33 @@ FAMILIES = {
 
 
 def _build(family: str, attn_implementation: str):
-    """A float64 model of ``family`` in eval mode (seed 0: every build has the same weights)."""
-    torch.manual_seed(0)
-    config = tiny_hf_config(family, vocab_size=VOCAB, **FAMILIES[family])
-    model = causal_lm_class(family)._from_config(
-        config, attn_implementation=attn_implementation, experts_implementation="eager"  # float64 MoE
-    )
-    return model.to(torch.float64).eval()
-
-
-def _flat_grad(loss, model):
-    """``(float64-computed, float32-computed)`` parameter gradients, each flat."""
-    names, params = zip(*model.named_parameters())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)  # unrouted experts get None
-    flat = [[], []]
-    for name, g, p in zip(names, grads, params):
-        flat[name.endswith(FLOAT32_PARAMS)].append((torch.zeros_like(p) if g is None else g).reshape(-1))
-    return torch.cat(flat[0]), torch.cat(flat[1] or [torch.zeros(0, dtype=torch.float64)])
-
-
-def _ids(batch: int, seed: int):
-    return torch.randint(3, VOCAB, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread, like the pool's ranks: tiny float64 ops on several threads of a busy
-    2-core machine spend most of their time waiting for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return build(family, attn_implementation, **FAMILIES[family])
 
 
 def _references(families):
     """Per family, the one-device sdpa model's logits and loss gradients (computed once, here)."""
-    ids = _ids(2, SEQ_LEN)
-    out = {}
-    with _one_thread():
-        for family in families:
-            ref = _build(family, "sdpa")
-            logits = ref(input_ids=ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shift_labels(ids).reshape(-1))
-            out[family] = (logits.detach(), _flat_grad(loss, ref))
-    return out
-
-
-def _errors(model, state: ParallelState, reference) -> dict[str, float]:
-    """Max logits and CP-summed gradient errors (relative to max(1, |gradient|)) of a model on shards."""
-    ids = _ids(2, SEQ_LEN)
-    ref_logits, ref_grads = reference
-    logits = model(input_ids=shard(ids, state), position_ids=shard_positions(SEQ_LEN, state)[None]).logits
-    grads = _flat_grad(sharded_cross_entropy(logits, shard(shift_labels(ids), state), state), model)
-    err = {"logits": (logits - shard(ref_logits, state)).abs().max().item()}
-    for key, grad, ref_grad in zip(("grad", "grad32"), grads, ref_grads):
-        dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the true one
-        if grad.numel():
-            err[key] = (grad - ref_grad).abs().max().item() / max(1.0, ref_grad.abs().max().item())
-    return err
-
-
-def _refusals(model, state: ParallelState) -> dict[str, tuple[str, str]]:
-    """``(exception type, message)`` of the calls this step refuses: a cache (a forward with
-    use_cache=True; seqpar's generate), packed-batch kwargs."""
-    ids = _ids(1, 1)
-    local, positions = shard(ids, state), shard_positions(SEQ_LEN, state)[None]
-    bounds = torch.tensor([0, local.shape[1]])
-    calls = {
-        "cache": lambda: model(input_ids=local, position_ids=positions, use_cache=True),
-        "packed": lambda: model(input_ids=local, position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds),
-        "generate": lambda: generate(model, ids, state, max_new_tokens=2, do_sample=False),
-    }
-    out = {}
-    for what, call in calls.items():
-        try:
-            with torch.no_grad():
-                call()
-            out[what] = ("ran", "")
-        except Exception as e:  # noqa: BLE001 - the test asserts the type and message
-            out[what] = (type(e).__name__, str(e))
-    return out
+    tokens = token_ids(2, SEQ_LEN)
+    with one_thread():
+        return {family: one_device(_build(family, "sdpa"), tokens, FLOAT32_PARAMS) for family in families}
 
 
 def _run(worlds, references, refusals: bool):
     """Per world ``(ring, ulysses)``: this rank's errors and refusals per family."""
-    out = []
-    for ring, ulysses in worlds:
-        state = ParallelState(ring, ulysses, timeout=timedelta(seconds=60))  # a rank left waiting fails
+
+    def run(state, ring, ulysses):
         name = register(state, name=f"seqpar-test-hybrid-{ring}x{ulysses}")
-        try:
-            errors, refused = {}, {}
-            for family, reference in references.items():
-                model = _build(family, name)
-                errors[family] = _errors(model, state, reference)
-                if refusals:
-                    refused[family] = _refusals(model, state)
-            if refusals:  # and seqpar's own self-check finds every module of both kinds of model exact
-                # (the gated delta net's norms see [B * S * H, D] rows: a flattened sequence dim)
-                refused["verify"] = all(verify(_build(f, name), state, _ids(1, 3)).ok for f in ("lfm2", "qwen3_next"))
-            out.append((errors, refused))
-        finally:
-            state.close()
-    return out
+        errs, refused = {}, {}
+        for family, reference in references.items():
+            model = _build(family, name)
+            errs[family] = shard_errors(model, state, token_ids(2, SEQ_LEN), reference, FLOAT32_PARAMS)
+            if refusals:
+                refused[family] = cache_and_packed_refusals(model, state, token_ids(1, 1))
+        if refusals:  # and seqpar's own self-check finds every module of both kinds of model exact
+            # (the gated delta net's norms see [B * S * H, D] rows: a flattened sequence dim)
+            refused["verify"] = all(verify(_build(f, name), state, token_ids(1, 3)).ok for f in ("lfm2", "qwen3_next"))
+        return errs, refused
+
+    return each_world(worlds, run)
 
 
 def _check(worlds, per_rank):
@@ -197,8 +116,8 @@ def test_hybrid_families_exact_on_shards(pools, worlds):
 def test_one_rank_changes_nothing():
     """With cp_size 1 the adapters leave every mixer as it is: bitwise the same outputs."""
     state = ParallelState()
-    ids = _ids(2, 2)
-    with _one_thread():
+    ids = token_ids(2, 2)
+    with one_thread():
         for family in FAMILIES:
             model = _build(family, "sdpa")
             before = model(input_ids=ids).logits

@@ -13,23 +13,18 @@ with a cache and packed batches are refused with the same error on every rank, n
 (short collective timeout).
 """
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
+
+from _hf import SEQ_LEN, build, each_world, one_device, outcome, shard_errors, token_ids  # noqa: E402
 
 import seqpar  # noqa: E402
 from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import generate, register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
-from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
-VOCAB = 97
-SEQ_LEN = 37  # odd: no split is even
 # Max error of logits and gradients, relative to max(1, the reference's magnitude). MiniMax runs in
 # float64 throughout: rounding only. Kimi Linear and Bailing compute their decay gate, the KDA rule
 # and the gated output norm in float32 (on purpose, as flash-linear-attention does), and PyTorch's
@@ -44,15 +39,7 @@ NO_ATTENTION = ("xlstm",)  # no softmax attention, no position_ids: install(mode
 
 
 def _build(family: str, attn_implementation: str, **overrides):
-    """A float64 model of ``family`` in eval mode (seed 0: every build has the same weights)."""
-    torch.manual_seed(0)
-    config = tiny_hf_config(family, vocab_size=VOCAB, **overrides)
-    if family in NO_ATTENTION:
-        return causal_lm_class(family)._from_config(config).to(torch.float64).eval()
-    model = causal_lm_class(family)._from_config(
-        config, attn_implementation=attn_implementation, experts_implementation="eager"  # float64 MoE
-    )
-    return model.to(torch.float64).eval()
+    return build(family, None if family in NO_ATTENTION else attn_implementation, **overrides)
 
 
 def _sharded(model, family: str, state: ParallelState, ids, **kwargs):
@@ -63,38 +50,23 @@ def _sharded(model, family: str, state: ParallelState, ids, **kwargs):
     return model(input_ids=shard(ids, state), position_ids=shard_positions(ids.shape[1], state)[None], **kwargs)
 
 
-def _flat_grad(loss, model):
-    params = [p for _, p in model.named_parameters()]
-    grads = torch.autograd.grad(loss, params, allow_unused=True)  # unrouted experts get None
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
-
-
 def _errors(state: ParallelState, name: str, families) -> dict[str, dict[str, float]]:
     """Relative max logits and CP-summed gradient errors of each family against one device."""
-    ids = torch.randint(0, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(SEQ_LEN))
-    labels = shift_labels(ids)
+    ids = token_ids(2, SEQ_LEN, low=0)
     out = {}
     for family in families:
-        ref, model = _build(family, "sdpa"), _build(family, name)
-        ref_logits = ref(input_ids=ids).logits
-        ref_loss = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, VOCAB), labels.reshape(-1))
-        ref_grad = _flat_grad(ref_loss, ref)
-
-        logits = _sharded(model, family, state, ids).logits
-        grad = _flat_grad(sharded_cross_entropy(logits, shard(labels, state), state), model)
-        dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the true one
-        local_ref = shard(ref_logits, state)
-        out[family] = {
-            "logits": (logits - local_ref).abs().max().item() / max(1.0, local_ref.abs().max().item()),
-            "grad": (grad - ref_grad).abs().max().item() / max(1.0, ref_grad.abs().max().item()),
-        }
+        ref, model = one_device(_build(family, "sdpa"), ids), _build(family, name)
+        if family in NO_ATTENTION:
+            install(model, state)
+        attention = family not in NO_ATTENTION
+        out[family] = shard_errors(model, state, ids, ref, relative_logits=True, positions=attention)
     return out
 
 
 def _refusals(state: ParallelState, name: str, families) -> dict[tuple[str, str], tuple[str, str]]:
     """``(exception type, message)`` of calls this step refuses: a cache (a forward with
     use_cache=True; seqpar's generate), packed-batch kwargs."""
-    ids = torch.randint(3, VOCAB, (1, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(1, 1)
     cu = torch.tensor([0, shard(ids, state).shape[1]])
     calls = {"cache": dict(use_cache=True), "packed": dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu), "generate": None}
     out = {}
@@ -107,15 +79,11 @@ def _refusals(state: ParallelState, name: str, families) -> dict[tuple[str, str]
         for what, kwargs in todo.items():
             if what == "chunked":
                 model = _build(family, name, max_inference_chunksize=9)
-            try:
-                with torch.no_grad():
-                    if kwargs is None:
-                        generate(model, ids, state, max_new_tokens=2, do_sample=False)
-                    else:
-                        _sharded(model, family, state, ids, **kwargs)
-                out[family, what] = ("ran", "")
-            except Exception as e:  # noqa: BLE001 - the test asserts the type and message
-                out[family, what] = (type(e).__name__, str(e))
+            with torch.no_grad():
+                if kwargs is None:
+                    out[family, what] = outcome(lambda: generate(model, ids, state, max_new_tokens=2, do_sample=False))
+                else:
+                    out[family, what] = outcome(lambda: _sharded(model, family, state, ids, **kwargs))
     return out
 
 
@@ -127,16 +95,13 @@ def _verified(state: ParallelState, name: str) -> tuple[bool, str]:
 
 def _run(worlds, families, checks: bool):
     """Per world ``(ring, ulysses)``: this rank's errors (and refusals, verify's verdict)."""
-    out = []
-    for ring, ulysses in worlds:
-        state = ParallelState(ring, ulysses, timeout=timedelta(seconds=60))  # a rank left waiting fails
+
+    def run(state, ring, ulysses):
         name = register(state, name=f"seqpar-test-linear-attention-{ring}x{ulysses}")
-        try:
-            extra = (_refusals(state, name, families), _verified(state, name)) if checks else ({}, (True, ""))
-            out.append((_errors(state, name, families), *extra))
-        finally:
-            state.close()
-    return out
+        extra = (_refusals(state, name, families), _verified(state, name)) if checks else ({}, (True, ""))
+        return (_errors(state, name, families), *extra)
+
+    return each_world(worlds, run)
 
 
 def _check(worlds, per_rank):
@@ -176,7 +141,7 @@ def test_linear_attention_families_exact_on_shards(pools, worlds):
 def test_one_rank_changes_nothing():
     """With cp_size 1 the adapters leave every mixer as it is: bitwise the same outputs."""
     state = ParallelState()
-    ids = torch.randint(3, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(2))
+    ids = token_ids(2, 2)
     for family in FAMILIES:
         model = _build(family, "sdpa")
         before = model(input_ids=ids).logits

@@ -12,30 +12,29 @@ ValueError on every rank.
 
 transformers' torch fallback of the gated delta rule computes in float32 whatever the model's
 dtype, so one-device float64 models are only float32-exact there; these tests give the modeling
-files a float64 kernel of the same rule (written below from its definition, token by token), which
+files a float64 kernel of the same rule (``_hf.delta_rule_float64``, written from its definition,
+token by token), which
 the one-device model and both modes then run. MiniMax is built with float64 as the default dtype,
 so that its decay buffers are float64 (built in float32 they carry float32 rounding that the
 state-passing form, which computes the decays itself, does not).
 """
 
-import contextlib
-import importlib
-
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from seqpar import ParallelState, shard, shard_positions  # noqa: E402
+from _hf import (  # noqa: E402
+    SEQ_LEN, VOCAB, build, check_modes, diff, each_world, float64_delta_rule, on_shards, one_device, outcome,
+    token_ids,
+)
+
+from seqpar import shard  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import choose_mode, install, mixing_modes  # noqa: E402
 from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
 from seqpar.tools.testing import DistPool  # noqa: E402
-from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
-VOCAB = 97
-SEQ_LEN = 37  # odd: no split is even
 TOL = 1e-10  # float64
 # Computed by the modeling code through float32 (Qwen's RMSNorm weights, the decay's A_log.float()):
 # their gradients are float32 sums over tokens, which per-rank partial sums round differently.
@@ -53,144 +52,55 @@ FAMILIES = {  # name: (model_type, config overrides)
 # 2 V heads reading 1 K head: over 4 ranks two hold no head, so "auto" passes states.
 FEW_HEADS = ("qwen3_next", dict(GATED_DELTA, linear_num_key_heads=1, linear_num_value_heads=2))
 MODES = ("head_parallel", "state_passing")
-_DELTA_MODULES = tuple(
-    f"transformers.models.{m}.modeling_{m}" for m in ("qwen3_next", "qwen3_5", "olmo_hybrid")
-)
 
 
-def _delta_rule_f64(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=False, **kwargs):
-    """The gated delta rule with transformers' kernel's arguments, token by token in float64:
-    ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S~_t^T k_t))^T`` (``S~`` the decayed state),
-    ``o_t = S_t^T q_t``, queries scaled by ``Dk ** -0.5`` after the optional L2 norm, K heads
-    repeated to the V heads."""
-    heads = value.shape[2]
-    q, k = (x.repeat_interleave(heads // x.shape[2], 2).double() for x in (query, key))
-    v, g, beta = value.double(), g.double(), beta.double()
-    if use_qk_l2norm_in_kernel:
-        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    q = q * q.shape[-1] ** -0.5
-    batch, length, _, dk = k.shape
-    h = v.new_zeros(batch, heads, dk, v.shape[-1]) if initial_state is None else initial_state.double()
-    outs = []
-    for t in range(length):
-        h = h * g[:, t].exp()[..., None, None]
-        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
-        h = h + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", h, q[:, t]))
-    out = torch.stack(outs, 1) if outs else v.new_zeros(batch, 0, heads, v.shape[-1])
-    return out.to(query.dtype), (h if output_final_state else None)
-
-
-@contextlib.contextmanager
 def _float64_models():
     """float64 default dtype (MiniMax's decay buffers), the float64 delta rule in the modeling
-    files (read by the one-device forward and by the adapters when they install), one torch thread
-    (tiny float64 ops on several threads of a busy 2-core machine mostly wait for each other)."""
-    modules = [importlib.import_module(m) for m in _DELTA_MODULES]
-    saved = [m.torch_chunk_gated_delta_rule for m in modules]
-    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    for m in modules:
-        m.torch_chunk_gated_delta_rule = _delta_rule_f64
-    try:
-        yield
-    finally:
-        for m, kernel in zip(modules, saved):
-            m.torch_chunk_gated_delta_rule = kernel
-        torch.set_default_dtype(dtype)
-        torch.set_num_threads(threads)
+    files (read by the one-device forward and by the adapters when they install), one torch thread."""
+    return float64_delta_rule(default_dtype=torch.float64)
 
 
 def _build(family, attn_implementation: str):
-    """A float64 model in eval mode (seed 0: every build has the same weights)."""
     model_type, overrides = FAMILIES[family] if isinstance(family, str) else family
-    torch.manual_seed(0)
-    config = tiny_hf_config(model_type, vocab_size=VOCAB, **overrides)
-    model = causal_lm_class(model_type)._from_config(
-        config, attn_implementation=attn_implementation, experts_implementation="eager"  # float64 MoE
-    )
-    return model.to(torch.float64).eval()
-
-
-def _ids():
-    return torch.randint(3, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(SEQ_LEN))
-
-
-def _flat_grad(loss, model):
-    """``(float64-computed, float32-computed)`` parameter gradients, each flat."""
-    names, params = zip(*model.named_parameters())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    flat = [[], []]
-    for name, g, p in zip(names, grads, params):
-        flat[name.endswith(FLOAT32_PARAMS)].append((torch.zeros_like(p) if g is None else g).reshape(-1))
-    return torch.cat(flat[0]), torch.cat(flat[1] or [torch.zeros(0, dtype=torch.float64)])
+    return build(model_type, attn_implementation, **overrides)
 
 
 def _references(families):
     """Per family, the one-device sdpa model's logits and loss gradients."""
-    ids, out = _ids(), {}
+    ids, out = token_ids(2, SEQ_LEN), {}
     with _float64_models():
         for family in families:
-            ref = _build(family, "sdpa")
-            logits = ref(input_ids=ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shift_labels(ids).reshape(-1))
-            out[family if isinstance(family, str) else "few_heads"] = (logits.detach(), _flat_grad(loss, ref))
+            ref = one_device(_build(family, "sdpa"), ids, FLOAT32_PARAMS)
+            out[family if isinstance(family, str) else "few_heads"] = ref
     return out
 
 
-def _sharded(model, state: ParallelState):
+def _sharded(model, state):
     """This rank's logits and CP-summed gradients."""
-    ids = _ids()
-    logits = model(input_ids=shard(ids, state), position_ids=shard_positions(SEQ_LEN, state)[None]).logits
-    grads = _flat_grad(sharded_cross_entropy(logits, shard(shift_labels(ids), state), state), model)
-    for g in grads:
-        dist.all_reduce(g, group=state.cp_group)  # partial gradients sum to the true one
-    return logits.detach(), grads
-
-
-def _diff(a, b) -> dict[str, float]:
-    """Max logits and gradient differences (relative to max(1, |b|)) of two ``(logits, grads)``."""
-    out = {"logits": (a[0] - b[0]).abs().max().item()}
-    for key, x, y in zip(("grad", "grad32"), a[1], b[1]):
-        if y.numel():
-            out[key] = (x - y).abs().max().item() / max(1.0, y.abs().max().item())
-    return out
-
-
-def _error(exc_call) -> tuple[str, str]:
-    try:
-        exc_call()
-        return ("ran", "")
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and message
-        return (type(e).__name__, str(e))
+    return on_shards(model, state, token_ids(2, SEQ_LEN), FLOAT32_PARAMS)
 
 
 def _run(worlds, references, auto: bool):
     """Per world: {(family, mode): errors against one device}, {family: state passing vs
     head-parallel}, and (with ``auto``) what "auto" ran and the bad-mode refusals."""
-    out = []
+
+    def run(state, ring, ulysses):
+        names = {m: register(state, name=f"seqpar-test-modes-{m}-{ring}x{ulysses}", mixing=m) for m in MODES}
+        errors, between, ran = {}, {}, {}
+        for family in (f for f in references if f != "few_heads"):
+            local_ref = (shard(references[family][0], state), references[family][1])
+            results = {}
+            for mode in MODES:
+                model = _build(family, names[mode])
+                results[mode] = _sharded(model, state)
+                errors[family, mode] = diff(results[mode], local_ref)
+                ran[family, mode] = {m.mode for m in mixing_modes(model).values()}
+            between[family] = diff(results["state_passing"], results["head_parallel"])
+        extra = _auto_and_refusals(state, names, references, ring, ulysses) if auto else {}
+        return errors, between, ran, extra
+
     with _float64_models():
-        for ring, ulysses in worlds:
-            state = ParallelState(ring, ulysses)
-            try:
-                names = {m: register(state, name=f"seqpar-test-modes-{m}-{ring}x{ulysses}", mixing=m) for m in MODES}
-                errors, between, ran = {}, {}, {}
-                for family in (f for f in references if f != "few_heads"):
-                    local_ref = (shard(references[family][0], state), references[family][1])
-                    results = {}
-                    for mode in MODES:
-                        model = _build(family, names[mode])
-                        results[mode] = _sharded(model, state)
-                        errors[family, mode] = _diff(results[mode], local_ref)
-                        ran[family, mode] = {m.mode for m in mixing_modes(model).values()}
-                    between[family] = _diff(results["state_passing"], results["head_parallel"])
-                extra = _auto_and_refusals(state, names, references, ring, ulysses) if auto else {}
-                out.append((errors, between, ran, extra))
-            finally:
-                state.close()
-    return out
+        return each_world(worlds, run, timeout_s=None)  # the pool's timeout
 
 
 def _auto_and_refusals(state, names, references, ring, ulysses):
@@ -202,7 +112,7 @@ def _auto_and_refusals(state, names, references, ring, ulysses):
         model = _build(FEW_HEADS, name)
         few[name] = (_sharded(model, state), mixing_modes(model))
     ref = references["few_heads"]
-    out["few_heads_error"] = _diff(few[auto][0], (shard(ref[0], state), ref[1]))
+    out["few_heads_error"] = diff(few[auto][0], (shard(ref[0], state), ref[1]))
     out["few_heads_same_as_state_passing"] = torch.equal(few[auto][0][0], few[names["state_passing"]][0][0])
     out["few_heads_ran"] = {p: (m.mode, m.heads) for p, m in few[auto][1].items()}
     # 6 heads over 4 ranks at 37 tokens: head-parallel moves fewer bytes, and "auto" runs it
@@ -215,25 +125,13 @@ def _auto_and_refusals(state, names, references, ring, ulysses):
     }
     out["bytes_same_as_head_parallel"] = torch.equal(logits, plain)
     # bad modes: the same ValueError on every rank
-    out["bad_register"] = _error(lambda: register(state, name="seqpar-test-modes-bad", mixing="ring"))
-    out["bad_install"] = _error(lambda: install(_build("lfm2", "sdpa"), state, mixing="state-passing"))
+    out["bad_register"] = outcome(lambda: register(state, name="seqpar-test-modes-bad", mixing="ring"))
+    out["bad_install"] = outcome(lambda: install(_build("lfm2", "sdpa"), state, mixing="state-passing"))
     torch.manual_seed(0)
     xlstm = causal_lm_class("xlstm")._from_config(tiny_hf_config("xlstm", vocab_size=VOCAB))
-    out["no_state_passing"] = _error(lambda: install(xlstm, state, mixing="state_passing"))
-    out["mamba_auto"] = _error(lambda: install(xlstm, state, mixing="auto"))
+    out["no_state_passing"] = outcome(lambda: install(xlstm, state, mixing="state_passing"))
+    out["mamba_auto"] = outcome(lambda: install(xlstm, state, mixing="auto"))
     return out
-
-
-def _check(worlds, per_rank):
-    for rank, results in enumerate(per_rank):
-        for (ring, ulysses), (errors, between, ran, _) in zip(worlds, results):
-            for (family, mode), err in errors.items():
-                where = (f"{ring}x{ulysses}", rank, family, mode)
-                assert err["logits"] < TOL and err["grad"] < TOL and err.get("grad32", 0) < FLOAT32_TOL, (where, err)
-                assert ran[family, mode] == {mode}, (where, ran[family, mode])  # every adapted mixer ran it
-            for family, err in between.items():  # and the two modes agree with each other
-                where = (f"{ring}x{ulysses}", rank, family)
-                assert err["logits"] < TOL and err["grad"] < TOL and err.get("grad32", 0) < FLOAT32_TOL, (where, err)
 
 
 def _check_auto(per_rank):
@@ -259,7 +157,7 @@ def test_modes_exact_and_equal_2x2():
     worlds = [(2, 2)]
     with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout
         per_rank = pool.run(_run, worlds, _references([*FAMILIES, FEW_HEADS]), True)
-    _check(worlds, per_rank)
+    check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
     _check_auto(per_rank)
 
 
@@ -269,7 +167,7 @@ def test_modes_exact_and_equal_on_shards(worlds):
     size = worlds[0][0] * worlds[0][1]
     with DistPool(size, timeout_s=60) as pool:
         per_rank = pool.run(_run, worlds, _references(FAMILIES), False)
-    _check(worlds, per_rank)
+    check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
 
 
 def test_choose_mode_rule():

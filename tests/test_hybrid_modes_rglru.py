@@ -15,28 +15,21 @@ one-device and the sharded models get float64 versions of them here: the norm wr
 definition, the scan as the model's own with a float64 accumulator.
 """
 
-import contextlib
-import importlib
 import math
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
+
+from _hf import SEQ_LEN, build, diff, each_world, modeling, on_shards, one_device, patched, token_ids  # noqa: E402
 
 from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install, mixing_modes  # noqa: E402
-from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
 from seqpar.tools.profiling import CollectiveRecorder  # noqa: E402
-from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
 FAMILY = "recurrent_gemma"
-VOCAB = 97
-SEQ_LEN = 37  # odd: no split is even
 SHORT = 9  # "auto" runs head-parallel here (fewer predicted bytes); pieces shorter than the conv's halo
 TOL = 1e-10  # float64
 MODES = ("head_parallel", "state_passing")
@@ -46,92 +39,46 @@ RESTART = 20  # the block-level run's second document starts here
 # --- float64 versions of the float32 islands (the one-device and the sharded models get them) -----
 
 
-def _modeling():
-    return importlib.import_module("transformers.models.recurrent_gemma.modeling_recurrent_gemma")
-
-
 def _rms_norm_float64(self, x):
     """RecurrentGemmaRMSNorm in the input's dtype: ``x / rms(x) * (1 + weight)``."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
-@contextlib.contextmanager
 def _float64_islands():
     """The float64 islands in the modeling file (read by the one-device forward and by the adapter
-    when it installs), and one torch thread (tiny float64 ops on several threads of a busy 2-core
-    machine mostly wait for each other)."""
-    modeling = _modeling()
-    scan = modeling.RecurrentGemmaRglru._rnn_scan
+    when it installs), and one torch thread (``_hf.patched``)."""
+    file = modeling(FAMILY)
+    scan = file.RecurrentGemmaRglru._rnn_scan
 
     def rnn_scan_float64(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float64):
         return scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float64)
 
-    patches = [
-        (modeling.RecurrentGemmaRMSNorm, "forward", _rms_norm_float64),
-        (modeling.RecurrentGemmaRglru, "_rnn_scan", rnn_scan_float64),
-    ]
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for obj, attr, value in patches:
-            setattr(obj, attr, value)
-        yield
-    finally:
-        for obj, attr, value in saved:
-            setattr(obj, attr, value)
-        torch.set_num_threads(threads)
+    return patched([
+        (file.RecurrentGemmaRMSNorm, "forward", _rms_norm_float64),
+        (file.RecurrentGemmaRglru, "_rnn_scan", rnn_scan_float64),
+    ])
 
 
 # --- the model, one device or sharded ---------------------------------------------------------------
 
 
 def _build(attn_implementation: str):
-    """A float64 model in eval mode (seed 0: every build has the same weights)."""
-    torch.manual_seed(0)
-    config = tiny_hf_config(FAMILY, vocab_size=VOCAB)
-    model = causal_lm_class(FAMILY)._from_config(config, attn_implementation=attn_implementation)
-    return model.to(torch.float64).eval()
+    return build(FAMILY, attn_implementation)
 
 
 def _ids(length: int):
-    return torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
-
-
-def _flat_grad(loss, model):
-    params = [p for _, p in model.named_parameters()]
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+    return token_ids(2, length, length)
 
 
 def _references(lengths):
     """Per length, the one-device model's logits and loss gradients."""
-    out = {}
     with _float64_islands():
-        for length in lengths:
-            ids = _ids(length)
-            ref = _build("sdpa")
-            logits = ref(input_ids=ids).logits
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB), shift_labels(ids).reshape(-1))
-            out[length] = (logits.detach(), _flat_grad(loss, ref))
-    return out
+        return {length: one_device(_build("sdpa"), _ids(length)) for length in lengths}
 
 
 def _sharded(model, state: ParallelState, length: int):
     """This rank's logits and CP-summed gradients."""
-    ids = _ids(length)
-    logits = model(input_ids=shard(ids, state), position_ids=shard_positions(length, state)[None]).logits
-    grad = _flat_grad(sharded_cross_entropy(logits, shard(shift_labels(ids), state), state), model)
-    dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the true one
-    return logits.detach(), grad
-
-
-def _diff(a, b) -> dict[str, float]:
-    """Max logits and gradient differences (relative to max(1, |b|)) of two ``(logits, grad)``."""
-    return {
-        "logits": (a[0] - b[0]).abs().max().item(),
-        "grad": (a[1] - b[1]).abs().max().item() / max(1.0, b[1].abs().max().item()),
-    }
+    return on_shards(model, state, _ids(length))
 
 
 # --- the block alone: a document reset inside the sequence --------------------------------------
@@ -192,37 +139,34 @@ def _bytes(state: ParallelState):
 def _run(worlds, references, quick: bool):
     """Per world: {mode: errors against one device}, state passing vs head-parallel, {mode: modes
     the adapted blocks ran}, and (``quick``) the "auto" runs, the block-level resets and bytes."""
-    out = []
+
+    def run(state, ring, ulysses):
+        modes = MODES + (("auto",) if quick else ())
+        names = {m: register(state, name=f"seqpar-test-rglru-{m}-{ring}x{ulysses}", mixing=m) for m in modes}
+        errors, ran, results = {}, {}, {}
+        for length in (SEQ_LEN, SHORT) if quick else (SEQ_LEN,):
+            local_ref = (shard(references[length][0], state), references[length][1])
+            for mode in modes:
+                model = _build(names[mode])
+                results[length, mode] = _sharded(model, state, length)
+                errors[length, mode] = diff(results[length, mode], local_ref)
+                ran[length, mode] = {
+                    (m.mode, m.tokens_per_rank, m.head_parallel_bytes < m.state_passing_bytes)
+                    for m in mixing_modes(model).values()
+                }
+        between = diff(results[SEQ_LEN, "state_passing"], results[SEQ_LEN, "head_parallel"])
+        extra = {}
+        if quick:
+            extra["auto_same"] = {
+                length: {m: torch.equal(results[length, "auto"][0], results[length, m][0]) for m in MODES}
+                for length in (SEQ_LEN, SHORT)
+            }
+            extra["block"] = _block_run(state, MODES)
+            extra["bytes"] = _bytes(state)
+        return errors, between, ran, extra
+
     with _float64_islands():
-        for ring, ulysses in worlds:
-            state = ParallelState(ring, ulysses, timeout=timedelta(seconds=60))  # a rank left waiting fails
-            try:
-                modes = MODES + (("auto",) if quick else ())
-                names = {m: register(state, name=f"seqpar-test-rglru-{m}-{ring}x{ulysses}", mixing=m) for m in modes}
-                errors, ran, results = {}, {}, {}
-                for length in (SEQ_LEN, SHORT) if quick else (SEQ_LEN,):
-                    local_ref = (shard(references[length][0], state), references[length][1])
-                    for mode in modes:
-                        model = _build(names[mode])
-                        results[length, mode] = _sharded(model, state, length)
-                        errors[length, mode] = _diff(results[length, mode], local_ref)
-                        ran[length, mode] = {
-                            (m.mode, m.tokens_per_rank, m.head_parallel_bytes < m.state_passing_bytes)
-                            for m in mixing_modes(model).values()
-                        }
-                between = _diff(results[SEQ_LEN, "state_passing"], results[SEQ_LEN, "head_parallel"])
-                extra = {}
-                if quick:
-                    extra["auto_same"] = {
-                        length: {m: torch.equal(results[length, "auto"][0], results[length, m][0]) for m in MODES}
-                        for length in (SEQ_LEN, SHORT)
-                    }
-                    extra["block"] = _block_run(state, MODES)
-                    extra["bytes"] = _bytes(state)
-                out.append((errors, between, ran, extra))
-            finally:
-                state.close()
-    return out
+        return each_world(worlds, run)  # a rank left waiting fails
 
 
 def _check(worlds, per_rank):

@@ -16,24 +16,22 @@ itself (no attention: no model check validates the boundaries), a padding mask n
 kwargs, and ``seq_idx`` without the boundaries; the model still runs after each refusal.
 
 Both the one-device and the sharded models get the float64 versions of the SSD scan and
-Nemotron-H's norm (``test_hybrid_modes_ssm``): the torch fallbacks compute in float32.
+Nemotron-H's norm (``_hf.float64_state_space``): the torch fallbacks compute in float32.
 """
-
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from test_hybrid_modes_ssm import _float64_islands  # noqa: E402
-from test_hybrid_packed import LENS, VOCAB, _loss, _outcome, _packed_kwargs, _sequences  # noqa: E402
+from _hf import (  # noqa: E402
+    LENS, build, each_world, float64_state_space, outcome, packed_call, packed_errors, packed_kwargs,
+    packed_references, packed_sequences,
+)
 
 from seqpar import ParallelState, shard_packed, shard_packed_positions  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install, mixing_modes  # noqa: E402
-from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
 
 TOL = 1e-10  # float64
 FLOAT32_PARAMS = ("A_log",)  # A = -exp(A_log.float()): per-rank partial sums of its gradient round differently
@@ -46,71 +44,20 @@ ONE_RANK = ("bamba", "falcon_h1")
 MODES = ("head_parallel", "state_passing")
 
 
-def _build(family: str, attn_implementation: str | None = None):
-    """A float64 model of ``family`` in eval mode (seed 0: every build has the same weights)."""
-    torch.manual_seed(0)
-    config = tiny_hf_config(family, vocab_size=VOCAB)
-    if attn_implementation is None:  # Mamba2 itself: no attention
-        return causal_lm_class(family)._from_config(config).to(torch.float64).eval()
-    model = causal_lm_class(family)._from_config(
-        config, attn_implementation=attn_implementation, experts_implementation="eager"  # float64 MoE
-    )
-    return model.to(torch.float64).eval()
-
-
-def _flat_grad(loss, model):
-    """``(float64-computed, float32-computed)`` parameter gradients, each flat."""
-    names, params = zip(*model.named_parameters())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)  # unrouted experts get None
-    flat = [[], []]
-    for name, g, p in zip(names, grads, params):
-        flat[name.endswith(FLOAT32_PARAMS)].append((torch.zeros_like(p) if g is None else g).reshape(-1))
-    return torch.cat(flat[0]), torch.cat(flat[1] or [torch.zeros(0, dtype=torch.float64)])
-
-
 def _references(families):
-    """Per family, one device running each sequence on its own (from its start to the batch's end:
-    every layer is causal): logits ``[1, T, V]`` (concatenated) and the gradients of the batch's loss."""
-    ids, labels = _sequences()
-    count = int((labels != -100).sum())
-    starts = torch.tensor((0, *LENS)).cumsum(0).tolist()
-    out = {}
-    with _float64_islands():
-        for family in families:
-            ref = _build(family, "sdpa")
-            logits = torch.cat([ref(input_ids=ids[:, a:]).logits[:, :n] for a, n in zip(starts, LENS)], 1)
-            out[family] = (logits.detach(), _flat_grad(_loss(logits, labels, count), ref))
-    return out
-
-
-def _packed_call(model, state: ParallelState, **kwargs):
-    ids, _ = _sequences()
-    return model(
-        input_ids=shard_packed(ids, state, LENS, dim=1), position_ids=shard_packed_positions(LENS, state)[None],
-        **{**_packed_kwargs(), **kwargs},
-    )
+    """Per family, one device running each sequence on its own (``_hf.packed_references``)."""
+    with float64_state_space():
+        return packed_references(families, build, FLOAT32_PARAMS)
 
 
 def _errors(model, state: ParallelState, reference) -> dict[str, float]:
-    """Max logits and CP-summed gradient errors (relative to max(1, |gradient|)) of a packed call."""
-    _, labels = _sequences()
-    ref_logits, ref_grads = reference
-    logits = _packed_call(model, state).logits
-    count = int((labels != -100).sum())
-    grads = _flat_grad(_loss(logits, shard_packed(labels, state, LENS, dim=1), count), model)
-    err = {"logits": (logits - shard_packed(ref_logits, state, LENS, dim=1)).abs().max().item()}
-    for key, grad, ref_grad in zip(("grad", "grad32"), grads, ref_grads):
-        if state.cp_size > 1:
-            dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the true one
-        if grad.numel():
-            err[key] = (grad - ref_grad).abs().max().item() / max(1.0, ref_grad.abs().max().item())
-    return err
+    return packed_errors(model, state, reference, FLOAT32_PARAMS)
 
 
 def _refusals(state: ParallelState, name: str) -> dict[str, tuple[str, str]]:
     """``(exception type, message)`` of packed calls that must be refused on every rank."""
-    model = _build("bamba", name)
-    ids, _ = _sequences()
+    model = build("bamba", name)
+    ids, _ = packed_sequences()
     local, positions = shard_packed(ids, state, LENS, dim=1), shard_packed_positions(LENS, state)[None]
     seq_idx = shard_packed(torch.repeat_interleave(torch.arange(len(LENS)), torch.tensor(LENS))[None], state, LENS,
                            dim=1)
@@ -119,49 +66,47 @@ def _refusals(state: ParallelState, name: str) -> dict[str, tuple[str, str]]:
     mask[0, -1] = 0
     hidden = torch.randn(1, local.shape[1], model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(state.cp_rank))
-    mamba2 = _build("mamba2")
+    mamba2 = build("mamba2", None)
     install(mamba2, state)
     calls = {
         # a packed call (which also installs the adapters the mixer call below reaches)
-        "before": lambda: _packed_call(model, state),
+        "before": lambda: packed_call(model, state),
         # Jamba's decoder layers drop the kwargs before its Mamba1 mixer: named by the model check
-        "jamba": lambda: _packed_call(_build("jamba", name), state),
+        "jamba": lambda: packed_call(build("jamba", name), state),
         # Mamba2 without attention: no model check validates cu_seq_lens_q against the shards
         # (its backbone: Mamba2ForCausalLM itself drops the kwargs before the backbone)
-        "mamba2": lambda: mamba2.backbone(input_ids=local, use_cache=False, **_packed_kwargs()),
+        "mamba2": lambda: mamba2.backbone(input_ids=local, use_cache=False, **packed_kwargs()),
         # a padding mask reaching the mixer next to the boundaries, on cp rank 0 alone (transformers
         # hands a rank without padding None; the model's attention refuses padding first: a direct call)
-        "mask": lambda: mixer(hidden, attention_mask=mask if state.cp_rank == 0 else None, **_packed_kwargs()),
+        "mask": lambda: mixer(hidden, attention_mask=mask if state.cp_rank == 0 else None, **packed_kwargs()),
         # seq_idx (the Mamba kernels' packing) without the boundaries
         "seq_idx alone": lambda: model(input_ids=local, position_ids=positions, seq_idx=seq_idx),
         # and the model still runs after each refusal, seq_idx along with the boundaries too
-        "after": lambda: _packed_call(model, state, seq_idx=seq_idx),
+        "after": lambda: packed_call(model, state, seq_idx=seq_idx),
     }
-    return {what: _outcome(call) for what, call in calls.items()}
+    with torch.no_grad():
+        return {what: outcome(call) for what, call in calls.items()}
 
 
 def _run(worlds, references, mixings, refusals: bool):
     """Per world ``(ring, ulysses)``: this rank's errors per (family, mixing), the modes its mixers
     ran, and the refusals."""
-    out = []
-    with _float64_islands():
-        for ring, ulysses in worlds:
-            state = ParallelState(ring, ulysses, timeout=timedelta(seconds=60))  # a rank left waiting fails
-            try:
-                errors, ran = {}, {}
-                for mixing in mixings:
-                    name = register(state, name=f"seqpar-test-packed-mamba-{mixing}-{ring}x{ulysses}", mixing=mixing)
-                    for family, reference in references.items():
-                        model = _build(family, name)
-                        errors[family, mixing] = _errors(model, state, reference)
-                        ran[family, mixing] = {m.mode for m in mixing_modes(model).values()}
-                refused = {}
-                if refusals:
-                    refused = _refusals(state, register(state, name=f"seqpar-test-packed-mamba-no-{ring}x{ulysses}"))
-                out.append((errors, ran, refused))
-            finally:
-                state.close()
-    return out
+
+    def run(state, ring, ulysses):
+        errors, ran = {}, {}
+        for mixing in mixings:
+            name = register(state, name=f"seqpar-test-packed-mamba-{mixing}-{ring}x{ulysses}", mixing=mixing)
+            for family, reference in references.items():
+                model = build(family, name)
+                errors[family, mixing] = _errors(model, state, reference)
+                ran[family, mixing] = {m.mode for m in mixing_modes(model).values()}
+        refused = {}
+        if refusals:
+            refused = _refusals(state, register(state, name=f"seqpar-test-packed-mamba-no-{ring}x{ulysses}"))
+        return errors, ran, refused
+
+    with float64_state_space():
+        return each_world(worlds, run)  # a rank left waiting fails
 
 
 def _check_errors(where, errors):
@@ -219,11 +164,11 @@ def test_packed_mamba_on_one_rank():
     module as it is)."""
     state = ParallelState()
     references = _references(ONE_RANK)
-    with _float64_islands():
+    with float64_state_space():
         for mixing in MODES:
             name = register(state, name=f"seqpar-test-packed-mamba-one-rank-{mixing}", mixing=mixing)
             for family, reference in references.items():
-                model = _build(family, name)
+                model = build(family, name)
                 _check_errors(("1x1", 0), {(family, mixing): _errors(model, state, reference)})
                 assert mixing_modes(model) == {}, family  # nothing ran on shards
         refused = _refusals(state, register(state, name="seqpar-test-packed-mamba-one-rank-refusals"))

@@ -14,22 +14,21 @@ refused with the same error on every rank, none left waiting (short collective t
 seqpar.verify finds every module exact on 2 x 2.
 """
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from seqpar import ParallelState, shard, shard_positions  # noqa: E402
-from seqpar.integrations.transformers import generate, register  # noqa: E402
-from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
+from _hf import (  # noqa: E402
+    build, cache_and_packed_refusals, check_cache_and_packed_refused, each_world, one_device, one_thread, shard_errors,
+    token_ids,
+)
+
+from seqpar import ParallelState  # noqa: E402
+from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.tools.testing import DistPool  # noqa: E402
-from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 from seqpar.verify import verify  # noqa: E402
 
-VOCAB = 97
 # float64, but the model keeps float32 islands: its hyper-connections (mHC) project in float32
 # (``.float()``), its norms and RoPE round through float32, the compressors' softmax runs in float32.
 # A float32 product over S_local rows may round otherwise than over S rows, and gradient sums over
@@ -53,111 +52,49 @@ CASES = {
 }
 
 
-def _build(case: str, attn_implementation: str, **overrides):
-    """A float64 model of ``case`` in eval mode (seed 0: every build has the same weights)."""
-    torch.manual_seed(0)
-    config = tiny_hf_config("deepseek_v4", vocab_size=VOCAB, **{**CASES[case][1], **overrides})
-    model = causal_lm_class("deepseek_v4")._from_config(
-        config, attn_implementation=attn_implementation, experts_implementation="eager"  # float64 MoE
-    )
+def _nonzero_sinks(model):
     with torch.no_grad():  # nonzero sinks and compressor position biases (initialised to zero), so both count
         for name, p in model.named_parameters():
             if name.endswith(("sinks", "position_bias")):
                 p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
-    return model.to(torch.float64).eval()
+
+
+def _build(case: str, attn_implementation: str, **overrides):
+    return build("deepseek_v4", attn_implementation, init=_nonzero_sinks, **{**CASES[case][1], **overrides})
 
 
 def _ids(case: str, batch: int, seed: int):
-    return torch.randint(3, VOCAB, (batch, CASES[case][0]), generator=torch.Generator().manual_seed(seed))
-
-
-def _flat_grad(loss, model):
-    """Every parameter's gradient, flat (the indexer's, which only selects, as zeros)."""
-    params = list(model.parameters())
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread, like the pool's ranks (tiny float64 ops on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return token_ids(batch, seed, CASES[case][0])
 
 
 def _references(cases=tuple(CASES)):
-    """Per case, the one-device eager model's logits and loss gradients (computed once, here)."""
-    out = {}
-    with _one_thread():
-        for case in cases:
-            ids = _ids(case, 2, 7)
-            ref = _build(case, "eager")
-            logits = ref(input_ids=ids).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shift_labels(ids).reshape(-1))
-            out[case] = (logits.detach(), _flat_grad(loss, ref))
-    return out
+    """Per case, the one-device eager model's logits and loss gradients (computed once, here; the
+    indexer's gradients, which only selects, as zeros)."""
+    with one_thread():
+        return {case: one_device(_build(case, "eager"), _ids(case, 2, 7)) for case in cases}
 
 
 def _errors(model, case: str, state: ParallelState, reference) -> dict[str, float]:
     """Max logits and CP-summed gradient errors (relative to max(1, |gradient|)) of a model on shards."""
-    ids = _ids(case, 2, 7)
-    ref_logits, ref_grad = reference
-    positions = shard_positions(ids.shape[1], state)[None]
-    logits = model(input_ids=shard(ids, state), position_ids=positions, use_cache=False).logits
-    grad = _flat_grad(sharded_cross_entropy(logits, shard(shift_labels(ids), state), state), model)
-    if state.cp_size > 1:
-        dist.all_reduce(grad, group=state.cp_group)  # partial gradients sum to the true one
-    return {
-        "logits": (logits - shard(ref_logits, state)).abs().max().item(),
-        "grad": (grad - ref_grad).abs().max().item() / max(1.0, ref_grad.abs().max().item()),
-    }
-
-
-def _refusals(model, state: ParallelState) -> dict[str, tuple[str, str]]:
-    """``(exception type, message)`` of the calls this step refuses: a cache (a forward with
-    use_cache=True; seqpar's generate), packed-batch kwargs."""
-    ids = _ids("windows", 1, 1)
-    local, positions = shard(ids, state), shard_positions(ids.shape[1], state)[None]
-    bounds = torch.tensor([0, local.shape[1]])
-    calls = {
-        "cache": lambda: model(input_ids=local, position_ids=positions, use_cache=True),
-        "packed": lambda: model(input_ids=local, position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds),
-        "generate": lambda: generate(model, ids, state, max_new_tokens=2, do_sample=False),
-    }
-    out = {}
-    for what, call in calls.items():
-        try:
-            with torch.no_grad():
-                call()
-            out[what] = ("ran", "")
-        except Exception as e:  # noqa: BLE001 - the test asserts the type and message
-            out[what] = (type(e).__name__, str(e))
-    return out
+    return shard_errors(model, state, _ids(case, 2, 7), reference, use_cache=False)
 
 
 def _run(worlds, references, extras: bool):
     """Per world ``(ring, ulysses)``: this rank's errors per case and, with ``extras``, the
     refusals and seqpar.verify's verdict."""
-    out = []
-    for ring, ulysses in worlds:
-        state = ParallelState(ring, ulysses)
+
+    def run(state, ring, ulysses):
         name = register(state, name=f"seqpar-test-v4-{ring}x{ulysses}")
-        try:
-            errors, refused = {}, {}
-            for case, reference in references.items():
-                errors[case] = _errors(_build(case, name), case, state, reference)
-            if extras:
-                refused = _refusals(_build("windows", name), state)
-                report = verify(_build("windows", name), state, _ids("windows", 1, 3))
-                refused["verify"] = (report.ok, report.verdict)
-            out.append((errors, refused))
-        finally:
-            state.close()
-    return out
+        errors, refused = {}, {}
+        for case, reference in references.items():
+            errors[case] = _errors(_build(case, name), case, state, reference)
+        if extras:
+            refused = cache_and_packed_refusals(_build("windows", name), state, _ids("windows", 1, 1))
+            report = verify(_build("windows", name), state, _ids("windows", 1, 3))
+            refused["verify"] = (report.ok, report.verdict)
+        return errors, refused
+
+    return each_world(worlds, run, timeout_s=None)  # the pool's timeout
 
 
 def _check(worlds, per_rank):
@@ -169,9 +106,7 @@ def _check(worlds, per_rank):
         verdicts = [r[w][1].pop("verify", (True, "")) for r in per_rank]
         assert all(ok for ok, _ in verdicts), (worlds[w], verdicts[0])
         refusals = per_rank[0][w][1]
-        for what, (kind, message) in refusals.items():
-            want = "packed batches" if what == "packed" else "does not support a cache"
-            assert kind == "NotImplementedError" and want in message, (what, kind, message)
+        check_cache_and_packed_refused(refusals)
         assert all(r[w][1] == refusals for r in per_rank), worlds[w]  # the same error on every rank
 
 
@@ -180,7 +115,7 @@ def test_every_part_cuts():
     gives other logits (so exactness on shards is not exactness of a model that ignores it)."""
     ids = _ids("windows", 1, 5)
     rates = dict(CASES["windows"][1]["compress_rates"])
-    with _one_thread(), torch.no_grad():
+    with one_thread(), torch.no_grad():
         base = _build("windows", "eager")(input_ids=ids).logits
         for change in (dict(index_topk=10), dict(sliding_window=41),
                        dict(compress_rates={**rates, "heavily_compressed_attention": 4})):
@@ -210,7 +145,7 @@ def test_one_rank_is_the_eager_model():
     state = ParallelState()
     name = register(state, name="seqpar-test-v4-one")
     references = _references()
-    with _one_thread():
+    with one_thread():
         for case, reference in references.items():
             err = _errors(_build(case, name), case, state, reference)
             assert err["logits"] < 1e-12 and err["grad"] < 1e-12, (case, err)
