@@ -1,26 +1,20 @@
 """The degree planner: its bytes against the ring plan, its balance against ``attention_work``, its
-memory against the tracked peak, the cost model's JSON, input checks -- and its choice against
-the measured time of every factorisation on 4 local ranks, with a calibration done in the same
-run.
+memory against the tracked peak, the cost model's JSON, input checks. Its choice against measured
+times is a benchmark, ``scripts/bench_planner.py`` (docs/planner.md).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
-import random
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import seqpar
 from seqpar.placement import head_assignments
@@ -495,164 +489,6 @@ def test_state_and_memory_estimate(pools):
         # all-gather transport's slots are counted whole, an upper estimate.
         low, high = (0.95, 1.5) if "all-gather" in label else (0.95, 1.1)
         assert low <= estimate / measured <= high, (label, estimate, measured)
-
-
-# --- the choice against measured times -------------------------------------------------------
-#
-# Note [Planner timing test]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# 4 gloo ranks share 2 CPU cores with whatever else runs there, so one fwd+bwd time varies by tens
-# of percent from call to call, and slow drifts (other jobs starting) move all configurations
-# together. The test therefore measures in *paired rounds*: each round times every factorisation
-# once, in a shuffled order, and every time is the slowest rank's. Per round, the ratio of the
-# chosen configuration's time to the fastest configuration's (lowest median) cancels the drift.
-#
-# The claim tested is "the chosen configuration is within 10% of the fastest", read as: it is not
-# *significantly* slower than 1.10 x the fastest. The median of the per-round ratios is the
-# estimate; its one-sided 95% lower bound is an order statistic (the k-th smallest ratio, k from
-# the binomial(n, 1/2) distribution). A shape passes once the median is <= 1.10 after at least
-# MIN_ROUNDS rounds, fails as soon as the lower bound exceeds 1.10, and is otherwise measured
-# again, up to MAX_ROUNDS; a shape still undecided then passes as "within noise" and is reported.
-# So a choice that is truly 10% or more slower fails unless the noise hides it in every round,
-# and an equally fast choice fails only when 95% of the noise points the same way.
-#
-# Conditions also drift over the seconds a shape takes: another job starting makes every point-to-
-# point wait (a peer that is not running) costlier, which slows the ring's many steps more than
-# Ulysses' four all-to-alls -- seen here as a short causal sequence whose ring ran 1.4x Ulysses
-# in one minute and 0.95x in the next. A shape that fails is therefore judged once more, with a
-# fresh calibration and plan; a wrong model fails both times.
-
-TOL = 1.10
-MIN_ROUNDS, MAX_ROUNDS = 5, 13
-BUDGET_S = 70.0  # measuring stops extending shapes beyond MIN_ROUNDS after this
-# (S, H, Hkv, D, causal, window): windows shorter than a zig-zag chunk (the ring moves little),
-# uneven heads with GQA, MQA with Hkv < U, a short causal sequence, a long full one.
-TIMING_SHAPES = [
-    (4096, 8, 8, 64, True, (255, 0)),
-    (8192, 2, 2, 32, True, (63, 0)),
-    (2048, 6, 2, 64, False, (-1, -1)),
-    (2048, 4, 1, 64, True, (-1, -1)),
-    (1024, 8, 8, 64, True, (-1, -1)),
-]
-
-
-def _lower_bound(ratios: list[float]) -> float:
-    """One-sided 95% lower confidence bound of the median: the k-th smallest ratio with
-    P(Binomial(n, 1/2) < k) <= 0.05."""
-    n = len(ratios)
-    k, below = 0, 0.0
-    while below + math.comb(n, k) / 2**n <= 0.05:
-        below += math.comb(n, k) / 2**n
-        k += 1
-    return sorted(ratios)[max(k - 1, 0)] if k else 0.0
-
-
-def _inputs(p, S, H, Hkv, D, causal, window):
-    """One fwd+bwd closure per candidate of plan ``p`` (its state, sharded inputs)."""
-    runs = {}
-    for c in p.candidates:
-        st = seqpar.ParallelState(c.ring_size, c.ulysses_size)
-        g = torch.Generator().manual_seed(S)
-        q, k, v = (seqpar.shard(torch.randn(1, S, h, D, generator=g), st).requires_grad_() for h in (H, Hkv, Hkv))
-        dout = seqpar.shard(torch.randn(1, S, H, D, generator=g), st)
-
-        def run(q=q, k=k, v=v, dout=dout, st=st):
-            seqpar.attention(q, k, v, st, causal=causal, window=window, seq_len=S).backward(dout)
-
-        runs[(c.ring_size, c.ulysses_size)] = run
-    return runs
-
-
-def _judge(runs, chosen, rng, start):
-    """Paired rounds until a verdict (Note [Planner timing test]); the same on every rank."""
-    times = {key: [] for key in runs}
-    verdict = "undecided"
-    for i in range(MAX_ROUNDS + 1):
-        order = list(runs)
-        rng.shuffle(order)
-        mine = []
-        for key in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            runs[key]()
-            mine.append(time.perf_counter() - t0)
-        slowest = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the same numbers on every rank
-        if i == 0:
-            continue  # warm-up: plans, workspaces, gloo connections
-        for key, t in zip(order, slowest.tolist()):
-            times[key].append(t)
-        rounds = len(times[chosen])
-        fastest = min(times, key=lambda key: statistics.median(times[key]))
-        ratios = [a / b for a, b in zip(times[chosen], times[fastest])]
-        if rounds >= MIN_ROUNDS and statistics.median(ratios) <= TOL:
-            verdict = "pass"
-        elif _lower_bound(ratios) > TOL:
-            verdict = "fail"
-        elif rounds >= MIN_ROUNDS and time.perf_counter() - start > BUDGET_S:
-            verdict = "within noise"
-        if verdict != "undecided":
-            break
-    return dict(
-        verdict="within noise" if verdict == "undecided" else verdict, fastest=fastest, rounds=rounds,
-        median_ratio=statistics.median(ratios), lower_bound=_lower_bound(ratios),
-        measured_ms={key: 1e3 * statistics.median(t) for key, t in times.items()},
-    )
-
-
-def _timing_grid(shapes):
-    world = dist.get_world_size()
-    start = time.perf_counter()
-    cost = calibrate(seqpar.ParallelState(1, world), ranks_per_node=world)
-    calibration_s = time.perf_counter() - start
-    rng = random.Random(0)
-    report = []
-    for shape in shapes:
-        for attempt in (1, 2):
-            if attempt == 2:  # conditions drifted since the calibration? measure them again
-                cost = calibrate(seqpar.ParallelState(1, world), ranks_per_node=world)
-            S, H, Hkv, D, causal, window = shape
-            p = plan(world, seq_len=S, num_heads=H, num_kv_heads=Hkv, head_dim=D, causal=causal, window=window,
-                     dtype=torch.float32, ranks_per_node=world, cost=cost, ring_comm="p2p")
-            chosen = (p.ring_size, p.ulysses_size)
-            row = _judge(_inputs(p, *shape), chosen, rng, start)
-            row.update(shape=shape, chosen=chosen, attempt=attempt,
-                       predicted_ms={(c.ring_size, c.ulysses_size): 1e3 * c.time_s for c in p.candidates})
-            report.append(row)
-            if row["verdict"] != "fail":
-                break
-    return dict(report=report, calibration_s=calibration_s, cost=cost.to_json(), total_s=time.perf_counter() - start)
-
-
-def _format(result) -> str:
-    lines = [f"calibration {result['calibration_s']:.1f} s, total {result['total_s']:.1f} s"]
-    for row in result["report"]:
-        measured = ", ".join(f"{r}x{u} {t:.0f}" for (r, u), t in row["measured_ms"].items())
-        predicted = ", ".join(f"{r}x{u} {t:.0f}" for (r, u), t in row["predicted_ms"].items())
-        lines.append(
-            f"{row['shape']} (attempt {row['attempt']}): chosen {row['chosen']}, fastest {row['fastest']}, {row['verdict']} after "
-            f"{row['rounds']} rounds (median ratio {row['median_ratio']:.3f}, 95% lower bound "
-            f"{row['lower_bound']:.3f}); measured ms [{measured}]; predicted ms [{predicted}]"
-        )
-    return "\n".join(lines)
-
-
-def test_lower_bound_order_statistic():
-    assert _lower_bound([1.0] * 4) == 0.0  # too few rounds for a 95% bound
-    assert _lower_bound([1.3, 1.2, 1.4, 1.25, 1.5]) == 1.2  # n = 5: the smallest (P = 1/32)
-    ratios = [1.0 + i / 100 for i in range(12)]
-    assert _lower_bound(ratios) == ratios[2]  # n = 12: the third smallest (P(X < 3) = 0.019)
-
-
-@pytest.mark.slow
-def test_choice_within_ten_percent_of_fastest(pools):
-    """Note [Planner timing test]: on every shape the chosen factorisation is not significantly
-    slower than 1.10 x the fastest one measured in the same run."""
-    result = pools(4).run(_timing_grid, TIMING_SHAPES)[0]
-    print(_format(result))
-    final = {row["shape"]: row for row in result["report"]}  # the last attempt of each shape
-    assert len(final) == len(TIMING_SHAPES)
-    assert not [row for row in final.values() if row["verdict"] == "fail"], _format(result)
 
 
 # --- the command line and the calibration script ----------------------------------------------
