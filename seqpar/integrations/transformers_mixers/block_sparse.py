@@ -74,13 +74,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...placement import Mask
 from ...sharding import unshard
 from ...state import ParallelState
 from . import register_adapter
-from .gated_delta import PACKED_KWARGS  # the same packed-batch kwargs every adapter refuses
 from .rebind import cache_parameter, checked_forward, original_kernels, rebind_forward, refuse_adapting
-from .sparse import _PASS_THROUGH_KWARGS, whole_sequence_forward
+from .sparse import _PASS_THROUGH_KWARGS, CallRefusal, whole_sequence_forward
 
 __all__ = ["CLASSES", "block_sparse_layers"]
 
@@ -93,9 +91,6 @@ _INDEXER_PARAMETERS = ("self", "hidden_states", "position_embeddings", _CACHE, "
 _INDEXER_READS = ("layers", "update_index", "block_size", "topk_blocks")
 _BLOCK_MASK_PARAMETERS = ("self", "block_indices", "attention_mask", "key_length", "dtype", "device", "position_ids")
 _INTERFACE = "ALL_ATTENTION_FUNCTIONS"
-# The layer's forward reads the queries' positions from its kwargs (the decoder layer passes them).
-_HONOURED_KWARGS = _PASS_THROUGH_KWARGS | {"position_ids"}
-_WHAT = "MiniMax-M3 block-sparse attention"
 
 
 class _WholeSequence:
@@ -168,46 +163,13 @@ def _shape_error(name: str, what: str) -> NotImplementedError:
     )
 
 
-def _refuse_call(module: nn.Module, cache: object, cache_name: str, mask: object, kwargs: dict[str, Any]) -> None:
-    """Refuse what this adapter does not run (from the call's arguments: the same on every rank).
-
-    Raises:
-        NotImplementedError: a cache, packed-batch kwargs or another kwarg that changes attention,
-            attention dropout, a mask other than seqpar's plain causal one (a padding mask too).
-    """
-    from ..transformers import RecognisedMask
-
-    name = type(module).__name__
-    if cache is not None:
-        raise NotImplementedError(
-            f"seqpar: {name} ({_WHAT}) with seqpar's attention does not support a cache "
-            f"({cache_name}={type(cache).__name__}): the indexer's keys and the layer's keys and values would "
-            "have to be cached per rank. Call the model with use_cache=False; decode with attn_implementation='sdpa'"
-        )
-    packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
-    if packed:
-        raise NotImplementedError(
-            f"seqpar: {name} ({_WHAT}) does not support packed batches ({', '.join(packed)}) on sequence shards; "
-            "pass one sequence per row with position_ids=seqpar.shard_positions(S, state)[None]"
-        )
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _HONOURED_KWARGS)
-    if unknown:
-        raise NotImplementedError(
-            f"seqpar: {name} ({_WHAT}) is called with {', '.join(unknown)}, which its adapter does not honour "
-            "on sequence shards; call it without"
-        )
-    if module.training and module.attention_dropout:
-        raise NotImplementedError(
-            f"seqpar: {name}: attention dropout {module.attention_dropout} is not supported on sequence shards; "
-            "set config.attention_dropout = 0.0 (or call model.eval())"
-        )
-    if not isinstance(mask, RecognisedMask) or mask.packed or mask.mask != Mask(causal=True):
-        got = mask.mask if isinstance(mask, RecognisedMask) else type(mask).__name__
-        raise NotImplementedError(
-            f"seqpar: {name} ({_WHAT}) runs the plain causal mask built by the model, got {got}; pass no "
-            "attention_mask (or all ones): a padding mask would move the key blocks, which the indexer cuts "
-            "from slot 0"
-        )
+_REFUSE = CallRefusal(
+    "MiniMax-M3 block-sparse attention",
+    "the indexer's keys and the layer's keys and values would have to be cached per rank",
+    # The layer's forward reads the queries' positions from its kwargs (the decoder layer passes them).
+    honoured=_PASS_THROUGH_KWARGS | {"position_ids"},
+    mask_note=": a padding mask would move the key blocks, which the indexer cuts from slot 0",
+)
 
 
 def _install(module: nn.Module, state: ParallelState) -> None:
@@ -233,7 +195,7 @@ def _install(module: nn.Module, state: ParallelState) -> None:
             extra["position_ids"] = positions[None]
         return _WholeSequence(state, seq_len, self.layer_idx, type(self).__name__)
 
-    whole_sequence_forward(module, state, rebound, _refuse_call, prepare)
+    whole_sequence_forward(module, state, rebound, _REFUSE, prepare)
 
 
 for _qualname in CLASSES:

@@ -70,9 +70,8 @@ from ...placement import Mask
 from ...sharding import unshard
 from ...state import ParallelState
 from . import register_adapter
-from .gated_delta import PACKED_KWARGS  # the same packed-batch kwargs every adapter refuses
 from .rebind import cache_parameter, checked_forward, original_kernels, rebind_forward, refuse_adapting
-from .sparse import _PASS_THROUGH_KWARGS, whole_sequence_forward
+from .sparse import CallRefusal, whole_sequence_forward
 
 __all__ = ["CLASSES"]
 
@@ -161,47 +160,10 @@ def _window_mask(module: nn.Module, grid: int) -> Mask:
     return Mask(causal=True, window=(module.sliding_window - 1, -1)).normalised(grid)
 
 
-def _refuse_call(module: nn.Module, cache: object, cache_name: str, mask: object, kwargs: dict[str, Any]) -> None:
-    """Refuse what this adapter does not run (from the call's arguments: the same on every rank).
-
-    Raises:
-        NotImplementedError: a cache, packed-batch kwargs or another kwarg that changes attention,
-            attention dropout, a mask other than the model's sliding-window causal one.
-    """
-    from ..transformers import RecognisedMask
-
-    name = type(module).__name__
-    if cache is not None:
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek-V4 compressed attention) with seqpar's attention does not support a "
-            f"cache ({cache_name}={type(cache).__name__}): the compressors' windows and entries would have to "
-            "be cached per rank. Call the model with use_cache=False; decode on one device with "
-            "attn_implementation='eager'"
-        )
-    packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
-    if packed:
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek-V4 compressed attention) does not support packed batches "
-            f"({', '.join(packed)}) on sequence shards; pass one sequence per row with "
-            "position_ids=seqpar.shard_positions(S, state)[None]"
-        )
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _PASS_THROUGH_KWARGS)
-    if unknown:
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek-V4 compressed attention) is called with {', '.join(unknown)}, which its "
-            "adapter does not honour on sequence shards; call it without"
-        )
-    if module.training and module.attention_dropout:
-        raise NotImplementedError(
-            f"seqpar: {name}: attention dropout {module.attention_dropout} is not supported on sequence shards; "
-            "set config.attention_dropout = 0.0 (or call model.eval())"
-        )
-    if not isinstance(mask, RecognisedMask) or mask.packed or mask.mask != _window_mask(module, mask.grid):
-        got = mask.mask if isinstance(mask, RecognisedMask) else type(mask).__name__
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek-V4 compressed attention) runs the sliding-window causal mask built by "
-            f"the model (window {module.sliding_window}), got {got}; pass no attention_mask (or all ones)"
-        )
+_REFUSE = CallRefusal(
+    "DeepSeek-V4 compressed attention", "the compressors' windows and entries would have to be cached per rank",
+    decode="on one device with attn_implementation='eager'", window=lambda module: module.sliding_window,
+)
 
 
 def _layer_mask(module: nn.Module, positions: Tensor, seq_len: int, batch: int, dtype: torch.dtype) -> Tensor:
@@ -251,7 +213,7 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         return _WholeSequence(state, seq_len, self.layer_idx, rates, type(self).__name__)
 
     # sliding-only layers: seqpar's attention runs them (window, sinks) after the same refusals
-    whole_sequence_forward(module, state, rebound, _refuse_call, None if module.compressor is None else prepare)
+    whole_sequence_forward(module, state, rebound, _REFUSE, None if module.compressor is None else prepare)
 
 
 for _qualname in CLASSES:

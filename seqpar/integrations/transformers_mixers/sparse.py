@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,48 +162,81 @@ def _shape_error(name: str, what: str) -> NotImplementedError:
     )
 
 
-def _refuse_call(module: nn.Module, cache: object, cache_name: str, mask: object, kwargs: dict[str, Any]) -> None:
-    """Refuse what this adapter does not run (from the call's arguments: the same on every rank).
+@dataclass(frozen=True)
+class CallRefusal:
+    """What a whole-sequence adapter (this module, :mod:`.compressed`, :mod:`.block_sparse`)
+    refuses per call, from the call's arguments alone (the same on every rank): a cache, packed-
+    batch kwargs, a kwarg outside ``honoured`` that is not None, attention dropout in training, a
+    mask other than the model's causal one (sliding when ``window`` gives the layer's window).
 
-    Raises:
-        NotImplementedError: a cache, packed-batch kwargs or another kwarg that changes attention,
-            attention dropout, a mask other than seqpar's plain causal one.
+    Attributes:
+        what: the attention's name in the messages.
+        cached: why a cache cannot be honoured on shards.
+        decode: how to decode instead.
+        honoured: the kwargs the adapter runs as the layer would.
+        window: the layer's sliding window (``None``: plain causal).
+        mask_note: why another mask is refused, appended to that message.
     """
-    from ..transformers import RecognisedMask
 
-    name = type(module).__name__
-    if cache is not None:
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek sparse attention) with seqpar's attention does not support a cache "
-            f"({cache_name}={type(cache).__name__}): the indexer's keys and the latent would have to be "
-            "cached per rank. Call the model with use_cache=False; decode with attn_implementation='sdpa'"
-        )
-    packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
-    if packed:
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek sparse attention) does not support packed batches ({', '.join(packed)}) "
-            "on sequence shards; pass one sequence per row with position_ids=seqpar.shard_positions(S, state)[None]"
-        )
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _PASS_THROUGH_KWARGS)
-    if unknown:
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek sparse attention) is called with {', '.join(unknown)}, which its "
-            "adapter does not honour on sequence shards; call it without"
-        )
-    if module.training and module.attention_dropout:
-        raise NotImplementedError(
-            f"seqpar: {name}: attention dropout {module.attention_dropout} is not supported on sequence shards; "
-            "set config.attention_dropout = 0.0 (or call model.eval())"
-        )
-    if not isinstance(mask, RecognisedMask) or mask.mask != Mask(causal=True):
-        got = mask.mask if isinstance(mask, RecognisedMask) else type(mask).__name__
-        raise NotImplementedError(
-            f"seqpar: {name} (DeepSeek sparse attention) runs the plain causal mask built by the model, got "
-            f"{got}; pass no attention_mask (or all ones)"
-        )
+    what: str
+    cached: str
+    decode: str = "with attn_implementation='sdpa'"
+    honoured: frozenset[str] = _PASS_THROUGH_KWARGS
+    window: Callable[[nn.Module], int] | None = None
+    mask_note: str = ""
+
+    def expected(self, module: nn.Module, grid: int) -> Mask:
+        """The mask the layer's call must carry, on ``grid`` positions."""
+        if self.window is None:
+            return Mask(causal=True)
+        return Mask(causal=True, window=(self.window(module) - 1, -1)).normalised(grid)
+
+    def __call__(self, module: nn.Module, cache: object, cache_name: str, mask: object, kwargs: dict[str, Any]) -> None:
+        """Raises:
+            NotImplementedError: any of the above, naming the layer and the way out.
+        """
+        from ..transformers import RecognisedMask
+
+        name = type(module).__name__
+        if cache is not None:
+            raise NotImplementedError(
+                f"seqpar: {name} ({self.what}) with seqpar's attention does not support a cache "
+                f"({cache_name}={type(cache).__name__}): {self.cached}. Call the model with use_cache=False; "
+                f"decode {self.decode}"
+            )
+        packed = [k for k in PACKED_KWARGS if kwargs.get(k) is not None]
+        if packed:
+            raise NotImplementedError(
+                f"seqpar: {name} ({self.what}) does not support packed batches ({', '.join(packed)}) on sequence "
+                "shards; pass one sequence per row with position_ids=seqpar.shard_positions(S, state)[None]"
+            )
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in self.honoured)
+        if unknown:
+            raise NotImplementedError(
+                f"seqpar: {name} ({self.what}) is called with {', '.join(unknown)}, which its adapter does not "
+                "honour on sequence shards; call it without"
+            )
+        if module.training and module.attention_dropout:
+            raise NotImplementedError(
+                f"seqpar: {name}: attention dropout {module.attention_dropout} is not supported on sequence "
+                "shards; set config.attention_dropout = 0.0 (or call model.eval())"
+            )
+        if not isinstance(mask, RecognisedMask) or mask.packed or mask.mask != self.expected(module, mask.grid):
+            got = mask.mask if isinstance(mask, RecognisedMask) else type(mask).__name__
+            kind = "plain" if self.window is None else "sliding-window"
+            size = "" if self.window is None else f" (window {self.window(module)})"
+            raise NotImplementedError(
+                f"seqpar: {name} ({self.what}) runs the {kind} causal mask built by the model{size}, got {got}; "
+                f"pass no attention_mask (or all ones){self.mask_note}"
+            )
 
 
-def _global_length(n: int, state: ParallelState, device: torch.device) -> int:
+_REFUSE = CallRefusal(
+    "DeepSeek sparse attention", "the indexer's keys and the latent would have to be cached per rank",
+)
+
+
+def _global_length(n: int, state: ParallelState, device: torch.device, what: str) -> int:
     """The sequence length whose placement gives this rank ``n`` tokens (one small exchange).
 
     Raises:
@@ -215,7 +249,7 @@ def _global_length(n: int, state: ParallelState, device: torch.device) -> int:
     want = list(Placement.dense(total, state.ring_size, state.ulysses_size).shard_lengths)
     if lengths != want:
         raise ValueError(
-            f"seqpar: DeepSeek sparse attention: the CP ranks hold {lengths} tokens, not seqpar's placement of "
+            f"seqpar: {what}: the CP ranks hold {lengths} tokens, not seqpar's placement of "
             f"their {total} tokens ({want}); shard the inputs with input_ids=seqpar.shard(input_ids, state)"
         )
     return total
@@ -237,12 +271,12 @@ def _install(module: nn.Module, state: ParallelState) -> None:
         arguments["attention_mask"] = causal[None, None]
         return _WholeSequence(state, seq_len, type(self).__name__)
 
-    whole_sequence_forward(module, state, rebound, _refuse_call, prepare)
+    whole_sequence_forward(module, state, rebound, _REFUSE, prepare)
 
 
 def whole_sequence_forward(
     module: nn.Module, state: ParallelState, rebound: Callable[..., Any],
-    refuse: Callable[..., None], prepare: Callable[..., object] | None,
+    refuse: CallRefusal, prepare: Callable[..., object] | None,
 ) -> None:
     """Set ``module``'s forward: the layer's own (``rebound``) on the shard, its cache replaced by a
     whole-sequence stand-in (Note [DeepSeek sparse attention on shards]; DeepSeek-V4's compressed
@@ -273,7 +307,7 @@ def whole_sequence_forward(
         if prepare is None:
             return original(self, *args, **kwargs)
         hidden = arguments["hidden_states"]
-        seq_len = _global_length(hidden.shape[1], state, hidden.device)
+        seq_len = _global_length(hidden.shape[1], state, hidden.device, refuse.what)
         arguments[cache_name] = prepare(self, arguments, hidden, seq_len, shard_positions(seq_len, state, device=hidden.device))
         for other in _CACHE:  # None here (a cache is refused above); deprecate_kwarg would warn of both names
             if other != cache_name:
