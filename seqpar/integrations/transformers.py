@@ -120,9 +120,7 @@ import copy
 import functools
 import math
 import sys
-import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -131,6 +129,13 @@ from torch.overrides import TorchFunctionMode
 
 from ..placement import Mask, Placement
 from ..state import ParallelState, require_state
+from .transformers_guard import fingerprint, install
+from .transformers_mixers.modes import check_mixing
+from .transformers_packed import PACKED_KWARGS, packed_lengths
+from .transformers_shared import (
+    Binding, MaskUsedAsTensor, RecognisedMask, _describe, binding, cache_argument, four_d_mask_message,
+    full_length_mask_message,
+)
 
 __all__ = [
     "MaskUsedAsTensor", "RecognisedMask", "SeqparCache", "attention_forward", "generate", "mask_function",
@@ -170,9 +175,6 @@ _UNSUPPORTED_KWARGS = {
     "indices": "keys selected per query by an indexer (DeepSeek sparse attention)",
     "block_indices": "key blocks selected per query by an indexer (block-sparse attention)",
 }
-# transformers' packed-batch kwargs (DataCollatorWithFlattening): honoured together, with the
-# global cu_seq_lens_q (Note [Packed sequences in transformers models]); refused anywhere else.
-PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _ABSENT = object()
 # The module registration hook that gives seqpar models their checks (installed by the first
 # register; Note [transformers model checks] in seqpar.integrations.transformers_guard).
@@ -189,62 +191,6 @@ def _interfaces():
             f"AttentionMaskInterface); install seqpar[hf] ({e})"
         ) from e
     return AttentionInterface, AttentionMaskInterface
-
-
-class MaskUsedAsTensor(NotImplementedError, AttributeError):
-    """A model computed with seqpar's :class:`RecognisedMask` as if it were a mask tensor.
-
-    Also an ``AttributeError``, so that ``hasattr(mask, ...)`` / ``getattr(mask, ..., default)``
-    probes keep answering "no" instead of raising.
-    """
-
-
-@dataclass(frozen=True)
-class RecognisedMask:
-    """What :func:`mask_function` hands transformers, and transformers hands every layer.
-
-    Not a tensor: a model that computes attention (or anything) from the mask itself instead of
-    handing it to transformers' attention interface gets :class:`MaskUsedAsTensor` naming the
-    model at its first arithmetic, indexing or tensor attribute on it (Bloom, MPT, Doge, ...:
-    Note [transformers model checks] in ``seqpar.integrations.transformers_guard``).
-
-    Attributes:
-        mask: the pattern in global positions, normalised for ``grid`` positions.
-        grid: how many global positions were probed (at least the global sequence length).
-        model: the model type the mask was built for (from its config), for messages.
-        packed: transformers wrapped the pattern for packed sequences (positions that restart,
-            not this rank's global positions): ``mask`` holds within each sequence, and the
-            layers need the call's ``cu_seq_lens_q`` (Note [Packed sequences in transformers models]).
-    """
-
-    mask: Mask
-    grid: int
-    model: str = field(default="", compare=False, repr=False)
-    packed: bool = False
-
-    def _misuse(self, what: str) -> MaskUsedAsTensor:
-        model = self.model or "this"
-        return MaskUsedAsTensor(
-            f"seqpar attention: the {model} model computes with its attention mask itself ({what}) "
-            "instead of handing it to transformers' attention interface, so seqpar, which recognises "
-            "the mask on global positions and builds no tensor, cannot run it on sequence shards; "
-            "use a model family that calls the attention interface (docs/models.md)"
-        )
-
-    def __getattr__(self, name: str) -> NoReturn:  # only for names the dataclass does not have
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise self._misuse(f"it reads attention_mask.{name}")
-
-    def __getitem__(self, index: object) -> NoReturn:
-        raise self._misuse("it indexes the mask")
-
-    def _arithmetic(self, other: object = None) -> NoReturn:
-        raise self._misuse("it adds, multiplies or compares the mask")
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
-    __truediv__ = __rtruediv__ = __and__ = __rand__ = __or__ = __ror__ = __invert__ = _arithmetic
-    __lt__ = __le__ = __gt__ = __ge__ = _arithmetic
 
 
 # --- recognising a transformers mask function (Note [Recognising transformers masks]) -----------
@@ -539,27 +485,6 @@ def _layer_mask(
     return Mask(kind)
 
 
-def four_d_mask_message(shape: str, n: int, cp_size: int) -> str:
-    """Why a caller's 4-D ``attention_mask`` (of shape ``shape``) is refused on shards (``cp_size > 1``)."""
-    return (
-        f"seqpar attention: got a 4-D attention_mask of shape {shape} over this rank's {n} tokens; on "
-        f"sequence shards ({cp_size} CP ranks) a mask over one shard cannot say how tokens attend "
-        "across shards (a 1x1 block is both causal and all-attend, a causal block is also that of a "
-        "sliding window wider than the shard), so it would be read wrongly. Pass no attention_mask: "
-        "the model builds its causal, bidirectional, sliding-window or chunked mask itself, and "
-        "seqpar recognises it on global positions"
-    )
-
-
-def full_length_mask_message(mask_len: int, n: int) -> str:
-    """Why a 2-D ``attention_mask`` longer than the shard is refused."""
-    return (
-        f"seqpar attention: the 2-D attention_mask has {mask_len} tokens per row but this rank holds "
-        f"{n} tokens of input_ids: a full-length mask next to sharded ids. Shard it like the ids "
-        "(attention_mask=seqpar.shard(attention_mask, state)), or pass none (all ones is no mask)"
-    )
-
-
 def _sinks(kwargs: dict[str, Any]) -> Tensor | None:
     given = {k: kwargs[k] for k in ("s_aux", "sinks") if kwargs.get(k) is not None}
     if len(given) > 1:
@@ -584,243 +509,6 @@ def _check_temperature_tuning(module: torch.nn.Module, n: int, state: ParallelSt
             f"{state.cp_size * (n + 2) - 1}; use shorter sequences (or attn_temperature_tuning=False "
             "where the model allows it)"
         )
-
-
-# --- packed sequences (Note [Packed sequences in transformers models]) ---------------------------
-#
-# Note [Packed sequences in transformers models]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# transformers' packed format (``DataCollatorWithFlattening``) is one row of concatenated
-# sequences: ``input_ids`` ``[1, T]``, ``position_ids`` restarting at 0 in every sequence, and the
-# flash-attn kwargs ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``[nseq + 1]`` int boundaries),
-# ``max_length_q`` / ``max_length_k`` and, for Mamba2 models, ``seq_idx`` (``[1, T]``: each token's
-# sequence). A model hands these kwargs unchanged from its forward to every decoder layer and on to
-# the layer's attention and mixer modules. On shards every rank passes its ``seqpar.shard_packed``
-# share of ``input_ids``, ``position_ids`` (and ``seq_idx``), and the *global* boundaries, the same
-# on every rank, so that every layer knows the whole batch's sequences:
-#
-# - the model check (Note [transformers model checks]) carries :func:`packed_call`'s row in its one
-#   exchange: every CP rank must pass packed kwargs or none; models with a token mixer that does not
-#   run packed batches are refused (from structure, the same on every rank); the boundaries must be
-#   the same on every rank (a fingerprint), well formed, and place exactly each rank's token count
-#   with its positions within each sequence (``shard_packed_positions``). Every rank raises the same
-#   error, before any layer runs;
-# - the attention function runs ``seqpar.varlen_attention`` with those lengths and the layer's mask
-#   (causal, window, chunk: within each sequence), softcap and sinks. Restarting positions make
-#   transformers wrap the mask function for packed sequences (one run per stretch of consecutive
-#   positions); on a shard the runs are pieces of sequences, so seqpar unwraps the wrapper and marks
-#   the mask ``packed``: the positions were checked against the boundaries by the model check. A
-#   ``packed`` mask without ``cu_seq_lens_q`` is refused (positions that are neither global
-#   positions nor a declared packing);
-# - the gated delta nets run their conv and rule per sequence (Note [Gated delta net on shards]),
-#   and the Mamba2 mixers their conv and SSD scan (Note [Mamba adapters]), on one rank too:
-#   transformers' torch fallbacks ignore the boundaries (a token would read the previous
-#   sequence's conv history and recurrent state).
-_PACKED_OK, _PACKED_BAD, _PACKED_BATCH, _PACKED_NO_POSITIONS, _PACKED_POSITIONS, _PACKED_SEQ_IDX = range(6)
-
-
-def _ints(value: object, name: str, where: str) -> list[int]:
-    """A 1-D int tensor or list as a list of ints; ValueError otherwise."""
-    if isinstance(value, Tensor):
-        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
-            raise ValueError(
-                f"{where}: {name} must be a 1-D integer tensor [nseq + 1], got {value.dtype} {tuple(value.shape)}"
-            )
-        return [int(v) for v in value.tolist()]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return [int(v) for v in value]
-    raise ValueError(f"{where}: {name} must be a 1-D integer tensor [nseq + 1], got {_describe(value)}")
-
-
-def packed_lengths(kwargs: dict[str, Any], batch: int, where: str) -> tuple[int, ...]:
-    """The global sequence lengths of a packed call's kwargs (``cu_seq_lens_q`` given).
-
-    Raises:
-        ValueError: boundaries that do not start at 0 or decrease, ``cu_seq_lens_k`` other than
-            ``cu_seq_lens_q`` (self-attention), ``max_length_q`` / ``max_length_k`` below the
-            longest sequence, a batch of more than one row.
-    """
-    cu = _ints(kwargs["cu_seq_lens_q"], "cu_seq_lens_q", where)
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(
-            f"{where}: cu_seq_lens_q {cu[:8]}{'...' if len(cu) > 8 else ''} are not cumulative sequence "
-            "boundaries (0 first, never decreasing); pass [0, len_0, len_0 + len_1, ...] of the whole batch"
-        )
-    seq_lens = tuple(b - a for a, b in zip(cu, cu[1:]))
-    if kwargs.get("cu_seq_lens_k") is not None and _ints(kwargs["cu_seq_lens_k"], "cu_seq_lens_k", where) != cu:
-        raise ValueError(
-            f"{where}: cu_seq_lens_k differs from cu_seq_lens_q; packed self-attention has the same "
-            "boundaries for queries and keys"
-        )
-    longest = max(seq_lens, default=0)
-    for name in ("max_length_q", "max_length_k"):
-        value = kwargs.get(name)
-        if value is not None and int(value) < longest:
-            raise ValueError(
-                f"{where}: {name}={int(value)} but the longest sequence of cu_seq_lens_q has {longest} tokens"
-            )
-    if batch != 1:
-        raise ValueError(
-            f"{where}: a packed batch is one row [1, T_local] (transformers' DataCollatorWithFlattening), "
-            f"got {batch} rows"
-        )
-    return seq_lens
-
-
-def _crc(values: object) -> int:
-    return zlib.crc32(repr(values).encode())
-
-
-@dataclass(frozen=True)
-class PackedCall:
-    """One rank's packed-batch kwargs of a model call, for the model check (Note [Packed
-    sequences in transformers models]). ``row`` is what it tells the other CP ranks."""
-
-    given: bool  # any of PACKED_KWARGS passed
-    digest: int  # fingerprint of the boundaries and length bounds (the same on every rank)
-    problem: int  # this rank's first problem (_PACKED_*)
-    seq_lens: tuple[int, ...] | None  # from cu_seq_lens_q, when well formed
-    message: str | None  # a problem with the boundaries themselves (every rank words it alike)
-    detail: int = 0
-
-    @property
-    def row(self) -> list[int]:
-        return [int(self.given), self.digest, self.problem, self.detail]
-
-    def agree(self, rows: list[list[int]], lengths: list[int], model: torch.nn.Module, state: ParallelState,
-              mixers: list, mixing: str) -> bool:
-        """Whether the call is packed, after every CP rank checked it alike from ``rows`` (every
-        rank's :attr:`row`), ``lengths`` (every rank's token count) and ``mixers`` (the model's
-        token mixers, found from structure: ``path`` each).
-
-        Raises:
-            ValueError: some ranks packed and some not, boundaries that differ between ranks or
-                are malformed, token counts, positions or ``seq_idx`` that are not ``shard_packed``'s.
-            NotImplementedError: a token mixer that does not run packed batches, named.
-            The same on every CP rank.
-        """
-        given = [c for c, row in enumerate(rows) if row[0]]
-        if not given:
-            return False
-        where = f"seqpar ({type(model).__name__}, packed batch)"
-        if len(given) != len(rows):
-            raise ValueError(
-                f"{where}: cp ranks {given} passed packed-batch kwargs ({', '.join(PACKED_KWARGS)}) and cp ranks "
-                f"{[c for c in range(len(rows)) if c not in given]} did not; every rank passes the same global "
-                "cu_seq_lens_q / cu_seq_lens_k with its shard_packed share of input_ids and position_ids"
-            )
-        _refuse_packed_mixers(model, state, mixers, mixing, where)
-        if any(row[1] != rows[0][1] for row in rows):
-            raise ValueError(
-                f"{where}: the CP ranks passed different cu_seq_lens_q / cu_seq_lens_k / max_length_q / "
-                f"max_length_k (fingerprints {[row[1] for row in rows]}); pass the boundaries of the whole "
-                "batch, the same on every rank (not each rank's own tokens)"
-            )
-        if self.message is not None:  # the same boundaries everywhere: every rank found this
-            raise ValueError(self.message)
-        wide = next((c for c, row in enumerate(rows) if row[2] == _PACKED_BATCH), None)
-        if wide is not None:
-            raise ValueError(
-                f"{where}: cp rank {wide} passed {rows[wide][3]} rows; a packed batch is one row [1, T_local] "
-                "(transformers' DataCollatorWithFlattening)"
-            )
-        lens = self.seq_lens or ()
-        want = list(Placement(lens, state.ring_size, state.ulysses_size).shard_lengths)
-        if lengths != want:
-            shown = list(lens[:8]) + (["..."] if len(lens) > 8 else [])
-            raise ValueError(
-                f"{where}: the CP ranks hold {lengths} tokens (total {sum(lengths)}), but cu_seq_lens_q "
-                f"(seq_lens {shown}, total {sum(lens)}) over ring {state.ring_size} x ulysses "
-                f"{state.ulysses_size} places {want}; pass input_ids=seqpar.shard_packed(ids, state, seq_lens, "
-                "dim=1) (and position_ids likewise) with the global cu_seq_lens_q"
-            )
-        bad = next((c for c, row in enumerate(rows) if row[2]), None)
-        if bad is None:
-            return True
-        code = rows[bad][2]
-        if code == _PACKED_NO_POSITIONS:
-            raise ValueError(
-                f"{where}: cp rank {bad} passed no position_ids; packed sequences need their positions within "
-                "each sequence: position_ids=seqpar.shard_packed_positions(seq_lens, state)[None]"
-            )
-        what = "position_ids" if code == _PACKED_POSITIONS else "seq_idx"
-        fix = ("position_ids=seqpar.shard_packed_positions(seq_lens, state)[None]" if code == _PACKED_POSITIONS
-               else "seq_idx sharded by seqpar.shard_packed like input_ids")
-        raise ValueError(
-            f"{where}: the {what} of cp rank {bad} are not its share of the sequences cu_seq_lens_q describes; "
-            f"pass {fix}"
-        )
-
-
-def packed_call(get: Callable[[str], Any], state: ParallelState) -> PackedCall:
-    """This rank's :class:`PackedCall` (no communication): ``get(name)`` reads an argument of the
-    model call (``None`` if not passed)."""
-    given = {k: v for k in PACKED_KWARGS if (v := get(k)) is not None}
-    if not given:
-        return PackedCall(False, 0, _PACKED_OK, None, None)
-    digest = _crc([(k, v.tolist() if isinstance(v, Tensor) else v) for k, v in given.items() if k != "seq_idx"])
-    where = "seqpar (packed batch)"
-    if "cu_seq_lens_q" not in given:
-        return PackedCall(True, digest, _PACKED_BAD, None, (
-            f"{where}: {', '.join(given)} given without cu_seq_lens_q; packed batches on sequence shards take the "
-            "global cu_seq_lens_q (and cu_seq_lens_k) of the whole batch"))
-    ids, embeds = get("input_ids"), get("inputs_embeds")
-    tokens = ids if isinstance(ids, Tensor) else embeds if isinstance(embeds, Tensor) else None
-    batch = 1 if tokens is None else int(tokens.shape[0])
-    try:
-        seq_lens = packed_lengths(given, 1, where)
-    except ValueError as e:
-        return PackedCall(True, digest, _PACKED_BAD, None, str(e))
-    if batch != 1:
-        return PackedCall(True, digest, _PACKED_BATCH, seq_lens, None, batch)
-    placement = Placement(seq_lens, state.ring_size, state.ulysses_size)
-    if tokens is None or tokens.shape[1] != placement.shard_lengths[state.cp_rank]:
-        return PackedCall(True, digest, _PACKED_OK, seq_lens, None)  # the counts are compared by agree()
-    seq, pos = placement.local_tokens(state.cp_rank)
-    positions = get("position_ids")
-    if not isinstance(positions, Tensor):
-        return PackedCall(True, digest, _PACKED_NO_POSITIONS, seq_lens, None)
-    rows = positions.detach().reshape(-1, positions.shape[-1])
-    if rows.shape[-1] != pos.numel() or not bool((rows.cpu() == pos).all()):
-        return PackedCall(True, digest, _PACKED_POSITIONS, seq_lens, None)
-    seq_idx = given.get("seq_idx")
-    if seq_idx is not None and (
-        not isinstance(seq_idx, Tensor) or seq_idx.shape[-1] != seq.numel()
-        or not bool((seq_idx.detach().reshape(-1, seq.numel()).cpu() == seq).all())
-    ):
-        return PackedCall(True, digest, _PACKED_SEQ_IDX, seq_lens, None)
-    return PackedCall(True, digest, _PACKED_OK, seq_lens, None)
-
-
-def _refuse_packed_mixers(model: torch.nn.Module, state: ParallelState, mixers: list, mixing: str, where: str) -> None:
-    """Refuse a packed call of a model with a token mixer that does not run packed batches (from
-    structure: the same on every rank). With one rank the adapters are installed here (there is no
-    model check that installs them): transformers' own kernels would let sequences leak."""
-    if not mixers:
-        return
-    from .transformers_mixers import install
-    from .transformers_mixers.gated_delta import runs_packed
-
-    if state.cp_size == 1:
-        install(model, state, mixing)
-    modules = dict(model.named_modules())
-    refused = [
-        m for m in mixers
-        if not any(runs_packed(modules[p], state) for p in _path_and_ancestors(m.path) if p in modules)
-    ]
-    if refused:
-        shown = "; ".join(map(str, refused[:4])) + (f"; and {len(refused) - 4} more" if len(refused) > 4 else "")
-        raise NotImplementedError(
-            f"{where}: packed batches (cu_seq_lens_q) are not supported for {shown}: seqpar runs packed sequences "
-            "through softmax attention, the gated delta nets (Qwen3-Next, Qwen3.5, OLMo Hybrid) and the Mamba2 "
-            "mixers (Bamba, Granite 4, Nemotron-H, Zamba2, Falcon-H1) only. "
-            "Pass one sequence per row, with position_ids=seqpar.shard_positions(S, state)[None]"
-        )
-
-
-def _path_and_ancestors(path: str) -> list[str]:
-    parts = path.split(".") if path else []
-    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
 def _check_kwargs(kwargs: dict[str, Any], dropout: float, packed: bool = False) -> None:
@@ -855,13 +543,6 @@ def _check_kwargs(kwargs: dict[str, Any], dropout: float, packed: bool = False) 
             f"seqpar attention: attention dropout {dropout} is not supported on sequence shards; set "
             "config.attention_dropout = 0.0 (or call model.eval())"
         )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"<tensor {tuple(value.shape)} {value.dtype}>"
-    text = repr(value)
-    return text if len(text) <= 40 else f"<{type(value).__name__}>"
 
 
 @contextlib.contextmanager
@@ -1175,8 +856,6 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
             f"register: name must be a new attn_implementation name, got {name!r} (built-in names "
             f"{list(_BUILTIN)} cannot be replaced)"
         )
-    from .transformers_mixers.modes import check_mixing
-
     check_mixing(mixing, "register")
     attention_interface, mask_interface = _interfaces()
 
@@ -1188,8 +867,6 @@ def register(state: ParallelState, name: str = "seqpar", *, backend: str = "auto
 
     def seqpar_mask(*args, **kwargs):
         return mask_function(*args, state=state, **kwargs)
-
-    from .transformers_guard import Binding, install
 
     seqpar_attention._seqpar_binding = Binding(state, backend, mixing)  # models built for `name` find their state
     attention_interface.register(name, seqpar_attention)
@@ -1211,8 +888,6 @@ def _prompt_fingerprints(input_ids: Tensor, expand: int, limit: int) -> list[int
     fingerprint of its ids), the effective batch expansion (beams / returned sequences) and the
     length limit (``max_new_tokens``, else ``max_length``), which decide the shapes and the number
     of every later collective."""
-    from .transformers_guard import fingerprint
-
     return [int(input_ids.shape[0]), int(input_ids.shape[-1]), fingerprint(input_ids), expand, limit]
 
 
@@ -1321,44 +996,6 @@ def _served_by_cache(module: torch.nn.Module, key: Tensor, value: Tensor, state:
     return None if cache_module is None else cache_module.derived_binding(module, key, value, state)
 
 
-# Note [transformers cache argument]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# transformers 5.24 renamed the KV cache argument of the models, ``generate`` and the mask builders
-# from ``past_key_values`` to ``cache`` (the old name still works there, with a FutureWarning, and
-# model outputs carry ``.cache``). Everything else SeqparCache relies on is unchanged: layers call
-# ``update(key, value, layer_idx, ...)`` and hand the result to the attention function, and
-# ``generate`` slices the prompt by ``get_seq_length``. seqpar passes the cache under the name the
-# installed release's generation API takes (its signature, read here and nowhere else) and reads a
-# model call's cache under either name (:data:`CACHE_ARGUMENTS`).
-CACHE_ARGUMENTS = ("cache", "past_key_values")
-
-
-def cache_argument(where: str) -> str:
-    """The keyword under which the installed transformers passes the KV cache to models and
-    ``generate``: ``"cache"`` (5.24 on) or ``"past_key_values"`` (before); Note [transformers cache
-    argument].
-
-    Raises:
-        NotImplementedError: a release whose generation API takes neither (named with the version).
-    """
-    import inspect
-
-    import transformers
-    from transformers.generation.utils import GenerationMixin
-
-    # inspect.signature follows the __wrapped__ of transformers' deprecate_kwarg decorators
-    parameters = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-    name = next((n for n in CACHE_ARGUMENTS if n in parameters), None)
-    if name is None:
-        raise NotImplementedError(
-            f"{where}: transformers {transformers.__version__} takes the KV cache under neither of "
-            f"{list(CACHE_ARGUMENTS)} (GenerationMixin.prepare_inputs_for_generation has {list(parameters)}), "
-            "so seqpar's sharded KV cache cannot be handed to it; install a release seqpar supports "
-            "(pip install -e \".[hf]\"), or prefill with seqpar.inference (docs/inference.md)"
-        )
-    return name
-
-
 def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **generate_kwargs: Any) -> Any:
     """``model.generate`` over the CP ranks of ``state``, with the prompt's KV cache sharded over them.
 
@@ -1397,7 +1034,7 @@ def generate(model: torch.nn.Module, input_ids: Tensor, state: ParallelState, **
     from ..comm import exchange_ints
     from ..rng import synchronized
     from ..sharding import shard, shard_positions
-    from .transformers_cache import SeqparCache
+    from .transformers_cache import SeqparCache  # imports transformers itself: loaded on first use
 
     require_state(state, "seqpar.integrations.transformers.generate")
     cache_name = cache_argument("seqpar generate")
@@ -1463,8 +1100,6 @@ def _check_generate(
     """This rank's checks of a :func:`generate` call (no communication); removes ``use_cache`` from
     ``generate_kwargs``. Returns the effective generation config and how many rows
     ``model.generate`` makes of each prompt (``max(num_beams, num_return_sequences)``)."""
-    from .transformers_guard import binding
-
     refused = sorted(k for k in generate_kwargs if k in _GENERATE_REFUSED)
     if refused:
         raise NotImplementedError(

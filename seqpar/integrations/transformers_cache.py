@@ -4,7 +4,7 @@ Note [transformers cache on shards]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 transformers' attention modules call ``cache.update(key, value, layer_idx)`` (the argument is
 ``past_key_values`` before transformers 5.24; Note [transformers cache argument] in
-``seqpar.integrations.transformers``) and hand what it returns to the registered attention function. :class:`SeqparCache.update` stores nothing
+``seqpar.integrations.transformers_shared``) and hand what it returns to the registered attention function. :class:`SeqparCache.update` stores nothing
 itself: it tags the returned key with ``(cache, layer_idx, sharded)`` and the attention function
 of ``seqpar.integrations.transformers`` runs the layer through ``seqpar.inference.prefill``
 (``sharded``: the first forward of a cache made with ``sharded_prefill=True``, with this rank's
@@ -44,6 +44,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..inference import KVCache
 from ..inference.cache import LayerCache
 from ..state import ParallelState, require_state
+from .transformers_shared import cache_argument
 
 __all__ = ["SeqparCache", "cache_binding", "derived_binding"]
 
@@ -165,8 +166,6 @@ class SeqparCache(Cache):
 
     def __init__(self, state: ParallelState, num_layers: int, *, sharded_prefill: bool = True) -> None:
         require_state(state, "SeqparCache")
-        from .transformers import cache_argument
-
         cache_argument("SeqparCache")  # a release that takes no cache argument seqpar knows is refused here
         self.kv = KVCache(state, num_layers)
         self.sharded_prefill = bool(sharded_prefill)

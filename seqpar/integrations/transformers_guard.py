@@ -86,6 +86,10 @@ from torch import Tensor, nn
 from ..comm import exchange_ints
 from ..placement import Placement
 from ..state import ParallelState
+from . import transformers_mixers
+from .transformers_mixers.block_sparse import sparse_attention_layers
+from .transformers_packed import packed_call
+from .transformers_shared import CACHE_ARGUMENTS, Binding, binding, four_d_mask_message, full_length_mask_message
 
 __all__ = [
     "Binding", "TokenMixer", "binding", "calls_attention_interface", "check_call", "fingerprint", "handle_token_mixer",
@@ -98,24 +102,6 @@ _KNOWN = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attenti
 
 # Problem codes of one rank's call, in the order they are looked for.
 SWITCHED, UNSUPPORTED, LABELS, NO_POSITION_PARAMETER, NO_POSITIONS, POSITIONS, EMPTY, FULL_LENGTH_MASK, PADDING, MASK_4D = range(1, 11)
-
-
-@dataclass(frozen=True)
-class Binding:
-    """What :func:`~seqpar.integrations.transformers.register` bound a name to."""
-
-    state: ParallelState
-    backend: str
-    mixing: str = "head_parallel"  # how token mixers run on shards (transformers_mixers.install)
-
-
-def binding(name: object) -> Binding | None:
-    """The seqpar binding of attention implementation ``name``, or ``None`` if it is not seqpar's."""
-    if not isinstance(name, str):
-        return None
-    from transformers import AttentionInterface
-
-    return getattr(AttentionInterface().get(name), "_seqpar_binding", None)
 
 
 def install(handles: list) -> None:
@@ -584,14 +570,16 @@ def _refuse_token_mixers(model: nn.Module, state: ParallelState, mixing: str = "
     Raises:
         NotImplementedError: naming the mixers' module paths and how each was found.
     """
-    from .transformers_mixers import handled, install
-
     found = _model_token_mixers(model)  # cached: an ordinary model's call stops here
     if not found:
         return
-    install(model, state, mixing)  # Note [transformers token-mixer adapters]: adapted modules are exact
+    # Note [transformers token-mixer adapters]: adapted modules are exact
+    transformers_mixers.install(model, state, mixing)
     modules = dict(model.named_modules())
-    mixers = [m for m in found if not any(handled(modules[p], state) for p in _ancestors(m.path) if p in modules)]
+    mixers = [
+        m for m in found
+        if not any(transformers_mixers.handled(modules[p], state) for p in _ancestors(m.path) if p in modules)
+    ]
     if not mixers:
         return
     shown = "; ".join(map(str, mixers[:4])) + (f"; and {len(mixers) - 4} more" if len(mixers) > 4 else "")
@@ -607,11 +595,8 @@ def _adapt_on_one_rank(model: nn.Module, state: ParallelState) -> None:
     """With one rank nothing is sharded and token mixers run as they are, except DeepSeek sparse
     attention layers, which hand seqpar's mask object to their indexer: their adapter runs them
     (Note [DeepSeek sparse attention on shards] in ``transformers_mixers.sparse``)."""
-    from .transformers_mixers import install
-    from .transformers_mixers.sparse import sparse_attention_layers
-
     if sparse_attention_layers(model):
-        install(model, state)
+        transformers_mixers.install(model, state)
 
 
 @functools.lru_cache(maxsize=64)
@@ -656,8 +641,7 @@ fingerprint = _fingerprint
 
 def _decoding(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     """The ``SeqparCache`` of a call that passes new tokens on every rank (not a sharded prefill), or None."""
-    from .transformers import CACHE_ARGUMENTS
-    from .transformers_cache import SeqparCache
+    from .transformers_cache import SeqparCache  # imports transformers itself: loaded on first use
 
     # under either name: transformers >= 5.24 takes `cache` and still accepts `past_key_values`
     cache = next((c for c in (_argument(model, args, kwargs, n) for n in CACHE_ARGUMENTS) if c is not None), None)
@@ -765,8 +749,6 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict[str, Any], *, name: s
             _check_decoding(model, args, kwargs, state, cache)
             return
     mine = _inspect(model, name, args, kwargs, state)
-    from .transformers import packed_call  # Note [Packed sequences in transformers models]
-
     packed = packed_call(lambda arg: _argument(model, args, kwargs, arg), state)
     if state.cp_size == 1:
         if mine.code:
@@ -815,8 +797,6 @@ def _shortest(state: ParallelState, total: int) -> int:
 
 def _error(model: nn.Module, name: str, state: ParallelState, rows: list[list[int]], r: int) -> Exception:
     """The error of cp rank ``r``'s problem, worded from ``rows`` alone (the same on every rank)."""
-    from .transformers import four_d_mask_message, full_length_mask_message
-
     cls = type(model).__name__
     n, code, a, b, _ = rows[r]
     lengths = [row[0] for row in rows]

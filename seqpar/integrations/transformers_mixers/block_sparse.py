@@ -77,10 +77,12 @@ from torch import Tensor, nn
 from ...sharding import unshard
 from ...state import ParallelState
 from . import register_adapter
+from .compressed import CLASSES as COMPRESSED_CLASSES
 from .rebind import cache_parameter, checked_forward, original_kernels, rebind_forward, refuse_adapting
+from .sparse import _CLASSES as SPARSE_CLASSES
 from .sparse import _PASS_THROUGH_KWARGS, CallRefusal, whole_sequence_forward
 
-__all__ = ["CLASSES", "block_sparse_layers"]
+__all__ = ["CLASSES", "block_sparse_layers", "sparse_attention_layers"]
 
 CLASSES = ("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention",)
 _CACHE = cache_parameter("past_key_values")
@@ -208,3 +210,14 @@ def block_sparse_layers(model: nn.Module) -> list[str]:
         p for p, m in model.named_modules()
         if f"{type(m).__module__}.{type(m).__qualname__}" in CLASSES and getattr(m, "indexer", None) is not None
     ]
+
+
+def sparse_attention_layers(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s layers whose adapter gathers key-side tensors, which they need on
+    one rank too: DeepSeek sparse attention (:mod:`.sparse`), DeepSeek-V4's compressed attention
+    (:mod:`.compressed`) and MiniMax-M3's block-sparse layers (this module; all hand their attention
+    a mask tensor of their own). Here because this module and :mod:`.compressed` build on
+    :mod:`.sparse`."""
+    classes = (*SPARSE_CLASSES, *COMPRESSED_CLASSES)
+    paths = [p for p, m in model.named_modules() if f"{type(m).__module__}.{type(m).__qualname__}" in classes]
+    return paths + block_sparse_layers(model)

@@ -69,6 +69,7 @@ from ...comm import exchange_ints
 from ...placement import Mask, Placement
 from ...sharding import shard_positions, unshard
 from ...state import ParallelState
+from ..transformers_shared import RecognisedMask, binding
 from . import register_adapter
 from .gated_delta import PACKED_KWARGS  # the same packed-batch kwargs every adapter refuses
 from .rebind import (
@@ -76,7 +77,7 @@ from .rebind import (
     set_forward,
 )
 
-__all__ = ["sparse_attention_layers"]
+__all__: list[str] = []
 
 _CLASSES = (
     "transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention",
@@ -195,8 +196,6 @@ class CallRefusal:
         """Raises:
             NotImplementedError: any of the above, naming the layer and the way out.
         """
-        from ..transformers import RecognisedMask
-
         name = type(module).__name__
         if cache is not None:
             raise NotImplementedError(
@@ -295,8 +294,6 @@ def whole_sequence_forward(
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        from ..transformers_guard import binding
-
         bound = binding(getattr(self.config, "_attn_implementation", None))
         if bound is None or bound.state is not state:  # switched to plain attention (seqpar.verify's reference)
             return original(self, *args, **kwargs)
@@ -320,15 +317,3 @@ def whole_sequence_forward(
 for _qualname in _CLASSES:
     register_adapter(_qualname, modes=None)(_install)  # a gather, not a mixing mode: any mixing runs it
 
-
-def sparse_attention_layers(model: nn.Module) -> list[str]:
-    """The paths of ``model``'s layers whose adapter gathers key-side tensors, which they need on
-    one rank too: DeepSeek sparse attention (this module), DeepSeek-V4's compressed attention
-    (:mod:`.compressed`) and MiniMax-M3's block-sparse layers (:mod:`.block_sparse`; all hand
-    their attention a mask tensor of their own)."""
-    from .block_sparse import block_sparse_layers  # MiniMax-M3's layers with an indexer; it builds on this module
-    from .compressed import CLASSES as compressed  # it builds on this module
-
-    classes = (*_CLASSES, *compressed)
-    paths = [p for p, m in model.named_modules() if f"{type(m).__module__}.{type(m).__qualname__}" in classes]
-    return paths + block_sparse_layers(model)
