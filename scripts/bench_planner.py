@@ -21,6 +21,7 @@ See docs/planner.md ("Checked against measurements").
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -135,7 +136,7 @@ def _measure(shapes, dtype_name, ranks_per_node, opts):
             report.append(row)
             if row["verdict"] != "fail":
                 break
-    return dict(rows=report, calibration_s=calibration_s, cost=cost.to_json(), seconds=time.perf_counter() - start)
+    return dict(rows=report, calibration_s=calibration_s, cost=json.loads(cost.to_json()), seconds=time.perf_counter() - start)
 
 
 def _shape(text: str) -> tuple:

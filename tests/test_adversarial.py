@@ -28,7 +28,7 @@ from seqpar.comm import group_timeout
 from seqpar.tools.testing import DistPool
 from seqpar.training import sharded_cross_entropy
 
-pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset
 
 DOUBLE_BACKWARD = "does not support double backward"
 

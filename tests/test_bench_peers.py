@@ -28,7 +28,7 @@ def _module():
     return sys.modules["bench_peers"]
 
 
-@pytest.mark.slow  # two pools of 2 ranks and DeepSpeed's import: ~25 s on 2 shared cores
+@pytest.mark.tools  # two pools of 2 ranks and DeepSpeed's import: ~25 s on 2 shared cores
 def test_bench_peers_tiny_run_with_the_installed_peers():
     bench = _module()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

@@ -18,7 +18,7 @@ from torch import nn
 import seqpar
 from seqpar import ParallelState
 
-pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset
 
 _HAS_COMPILER = shutil.which("g++") is not None or shutil.which("c++") is not None
 _BACKENDS = ["aot_eager"] + (["inductor"] if _HAS_COMPILER else [])

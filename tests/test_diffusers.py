@@ -20,7 +20,7 @@ from diffusers.models._modeling_parallel import ContextParallelInput, ContextPar
 import seqpar  # noqa: E402
 from seqpar.integrations.diffusers import ShardedAttention, parallelize  # noqa: E402
 
-pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset
 
 ATOL = 1e-4  # fp32 output, absolute
 GRAD_RTOL = 1e-3  # fp32 gradient error relative to the largest entry of that tensor (float64: ~1e-14)

@@ -50,7 +50,7 @@ NOT_RUN = {
     "pip install flash-attn --no-build-isolation": _INSTALL + "; needs nvcc and a CUDA torch",
     "MAX_JOBS=4 pip install flash-attn --no-build-isolation": _INSTALL + "; needs nvcc and a CUDA torch",
     "python -m seqpar demo": "the default demo runs in tests/test_demo.py::test_demo_default_passes",
-    'python -m pytest -q -m "not slow"': "the test suite itself",
+    'python -m pytest -q -m "not slow and not tools"': "the test suite itself",
     "python -m pytest -q": "the test suite itself",
     "python -m seqpar demo --ring 2 --ulysses 2 --seq-len 8191 --causal": "minutes on 2 CPU cores; the "
     "demo's options run at small sizes in tests/test_demo.py",
@@ -109,7 +109,7 @@ def test_every_command_is_run_or_named():
     assert not stale, f"no longer in the docs: {stale}"
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_cheap_commands_run_as_written(tmp_path):
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

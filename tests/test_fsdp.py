@@ -11,7 +11,7 @@ from seqpar import ParallelState, parallel_sdpa, shard, shard_positions
 from seqpar.tools.models import VideoDiT, patchify
 from seqpar.training import fully_shard_cp, global_loss, sharded_mean
 
-pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset
 
 
 def _members(pg):

@@ -88,7 +88,7 @@ def test_measure_reports_figures_and_bad_configs_raise():
         MaxLenSearch(CASES["3x1 packed causal"])
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_max_len_search_on_the_cpu():
     config = dataclasses.replace(CASES["2x2 dense causal"], warmup=0, iters=1, monolithic=False)
     small, large = run_tasks(
@@ -130,7 +130,7 @@ def _check_longest(report: dict, log: str) -> None:
     assert json.loads(log.splitlines()[-1])["validation"]["passed"]  # the report is the output's last line
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_gpu_check_cpu_smoke(tmp_path):
     """Every step of the GPU check runs (tiny sizes, CPU) and writes its summary; its ``longest``
     step is the memory model's measured-versus-predicted run (:func:`_check_longest`)."""

@@ -542,6 +542,7 @@ def test_info_names_the_exact_state_and_no_self_tie():
 
 
 @pytest.mark.slow
+@pytest.mark.tools
 def test_calibrate_script_writes_a_cost_model(tmp_path):
     out = tmp_path / "cost.json"
     proc = _python("scripts/calibrate.py", "--local", "2", "--repeats", "1", "--out", str(out))

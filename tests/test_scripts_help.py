@@ -114,7 +114,7 @@ def _missing_default(help_text: str, options: list[list[str]]) -> list[str]:
     return missing
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 @pytest.mark.parametrize("name", NAMES)
 def test_help_is_readable_and_shows_defaults(name):
     h = _help(name)
@@ -130,7 +130,7 @@ def test_help_is_readable_and_shows_defaults(name):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_help_in_its_own_interpreter_prints_what_the_probe_saw():
     """``python scripts/bench_all_to_all.py --help`` from the shell: the text the in-process probe
     checks is the text a user sees."""
@@ -213,7 +213,7 @@ def test_bench_attention_plot_has_one_quantity_per_axis():
     assert panels[1].reference_line == 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_bench_varlen_plot(tmp_path):
     png = tmp_path / "varlen.png"
     proc = _run(

@@ -55,6 +55,7 @@ def _script(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize("args, words", [
     (["--offload", "on"], "on the CPU the host is the device"),
     (["--mlp-chunks", "0,8"], "--mlp-chunks needs positive integers"),

@@ -35,7 +35,7 @@ if _why:
 import seqpar  # noqa: E402
 from seqpar.integrations.timm import parallelize  # noqa: E402
 
-pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset
 
 ATOL = 1e-4
 GRAD_RTOL = 1e-3  # fp32, relative to the largest entry of each gradient

@@ -147,7 +147,7 @@ def _torchrun(script, *args, timeout=240):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_train_lm_check(tmp_path):
     plot = tmp_path / "lm.png"
     proc = _torchrun(
@@ -160,7 +160,7 @@ def test_train_lm_check(tmp_path):
     assert plot.stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_train_dit_check_with_data_parallel(tmp_path):
     plot = tmp_path / "dit.png"
     # ring 2 x ulysses 1 on 4 ranks: 2 data-parallel replicas.
@@ -173,7 +173,7 @@ def test_train_dit_check_with_data_parallel(tmp_path):
     assert plot.stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.tools
 def test_train_dit_check_fails_loudly():
     # A zero tolerance cannot be met by fp32 arithmetic in a different order.
     proc = _torchrun("train_dit.py", "--steps", "2", "--grid", "5", "6", "10", "--check", "--tol", "0")

@@ -31,7 +31,7 @@ from seqpar.tools.models.hf_configs import HF_FAMILIES, causal_lm_class, tiny_hf
 from seqpar.placement import Mask  # noqa: E402
 from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 
-pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset (-m "not slow")
+pytestmark = pytest.mark.slow  # long multi-rank runs: not in the quick subset
 
 VOCAB = 97
 
