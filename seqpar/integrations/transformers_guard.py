@@ -88,7 +88,7 @@ from ..placement import Placement
 from ..state import ParallelState
 from . import transformers_mixers
 from .transformers_mixers.block_sparse import sparse_attention_layers
-from .transformers_packed import packed_call
+from .transformers_packed import ancestors, packed_call
 from .transformers_shared import CACHE_ARGUMENTS, Binding, binding, four_d_mask_message, full_length_mask_message
 
 __all__ = [
@@ -557,12 +557,6 @@ def _model_token_mixers(model: nn.Module) -> list[TokenMixer]:
     return mixers
 
 
-def _ancestors(path: str) -> list[str]:
-    """``path`` and the paths of the modules holding it ("a.b.c": "a.b.c", "a.b", "a", "")."""
-    parts = path.split(".") if path else []
-    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
 def _refuse_token_mixers(model: nn.Module, state: ParallelState, mixing: str = "head_parallel") -> None:
     """Refuse, on every rank alike (decided from structure, without communication), a model with
     token mixers seqpar does not handle, before it runs on ``cp_size > 1`` shards.
@@ -578,7 +572,7 @@ def _refuse_token_mixers(model: nn.Module, state: ParallelState, mixing: str = "
     modules = dict(model.named_modules())
     mixers = [
         m for m in found
-        if not any(transformers_mixers.handled(modules[p], state) for p in _ancestors(m.path) if p in modules)
+        if not any(transformers_mixers.handled(modules[p], state) for p in ancestors(m.path) if p in modules)
     ]
     if not mixers:
         return

@@ -238,7 +238,7 @@ def _refuse_packed_mixers(model: torch.nn.Module, state: ParallelState, mixers: 
     modules = dict(model.named_modules())
     refused = [
         m for m in mixers
-        if not any(runs_packed(modules[p], state) for p in _path_and_ancestors(m.path) if p in modules)
+        if not any(runs_packed(modules[p], state) for p in ancestors(m.path) if p in modules)
     ]
     if refused:
         shown = "; ".join(map(str, refused[:4])) + (f"; and {len(refused) - 4} more" if len(refused) > 4 else "")
@@ -250,6 +250,7 @@ def _refuse_packed_mixers(model: torch.nn.Module, state: ParallelState, mixers: 
         )
 
 
-def _path_and_ancestors(path: str) -> list[str]:
+def ancestors(path: str) -> list[str]:
+    """``path`` and the paths of the modules holding it ("a.b.c": "a.b.c", "a.b", "a", "")."""
     parts = path.split(".") if path else []
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
