@@ -234,9 +234,13 @@ _MIXERS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig", dict(
         head_dim=8, layer_types=["linear_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1,
         block_size=4)),
-    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(_MAMBA2, head_dim=8, layers_block_type=["mamba", "attention"])),
+    # Nemotron-H names its Mamba2 sizes its own way (the _MAMBA2 names would be ignored: 128 heads of 64).
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig", dict(
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2, chunk_size=8,
+        head_dim=8, layers_block_type=["mamba", "attention"])),
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", dict(
-        _MAMBA2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1)),
+        _MAMBA2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
+        shared_intermediate_size=64)),
     "bamba": ("BambaForCausalLM", "BambaConfig", dict(_MAMBA2, attn_layer_indices=[1])),
     "zamba2": ("Zamba2ForCausalLM", "Zamba2Config", dict(_MAMBA2, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1)),
     "mamba2": ("Mamba2ForCausalLM", "Mamba2Config", dict(
@@ -251,7 +255,9 @@ _MIXERS: dict[str, tuple[str, str, dict[str, Any]]] = {
         lru_width=32, block_types=["recurrent", "attention"], attention_window_size=8)),
     "xlstm": ("xLSTMForCausalLM", "xLSTMConfig", dict(embedding_dim=32, num_heads=2, num_blocks=2, chunk_size=8)),
     "mamba": ("MambaForCausalLM", "MambaConfig", dict(state_size=4, expand=2, conv_kernel=4)),
-    "deepseek_v4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", dict(head_dim=8)),
+    "deepseek_v4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", dict(
+        head_dim=8, partial_rotary_factor=0.5, q_lora_rank=16, o_groups=2, o_lora_rank=8, n_routed_experts=2,
+        num_experts_per_tok=1, index_n_heads=2, index_head_dim=8)),
     "deepseek_v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config", _INDEXED),
     "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig", _INDEXED),
     "minimax_m3_vl": ("MiniMaxM3VLForCausalLM", "MiniMaxM3VLTextConfig", dict(
