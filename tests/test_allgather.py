@@ -313,6 +313,7 @@ def _rank_compiled() -> list[tuple[str, float]]:
     return results
 
 
+@pytest.mark.slow
 def test_compiled_allgather(pools):
     for rank, results in enumerate(pools(2).run(_rank_compiled)):
         for name, err in results:

@@ -23,6 +23,7 @@ def _seqpar(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_check_four_ranks_every_mode_exact(tmp_path):
     out = tmp_path / "check.json"
     proc = _seqpar("check", "--world-size", "4", *_TINY, "--json", str(out))
@@ -58,6 +59,7 @@ def test_check_four_ranks_every_mode_exact(tmp_path):
     assert lines[-2].startswith(f"check: OK -- {len(names)} of {len(names)} modes exact"), lines[-2]
 
 
+@pytest.mark.slow
 def test_check_three_ranks_ring_and_ulysses():
     proc = _seqpar("check", "--world-size", "3", *_TINY, "--only", "ring,ulysses")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -69,6 +71,7 @@ def test_check_three_ranks_ring_and_ulysses():
     assert lines[-1].startswith("check: OK -- 4 of 4 modes exact"), lines[-1]
 
 
+@pytest.mark.slow
 def test_check_rejects_bad_cp():
     proc = _seqpar("check", "--world-size", "4", "--cp", "3")
     assert proc.returncode != 0

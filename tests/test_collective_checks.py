@@ -128,6 +128,7 @@ _NEEDLES = {
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_decode_options_that_differ_on_one_rank_raise_everywhere(short_pools, world):
     """Item 3: one rank's window, softcap, scale, sinks, causal, chunk or ALiBi (or layer) made
     every rank return a result matching no mask (0.68 off)."""

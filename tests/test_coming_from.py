@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -86,6 +87,7 @@ def test_every_peer_has_a_block():
     assert set(_blocks()) == set(PEERS)
 
 
+@pytest.mark.slow
 def test_coming_from_blocks_run_exactly_in_the_peers_placement(pools):
     per_rank = pools(4, 60.0).run(_run, _blocks(), _reference())
     for rank, errors in enumerate(per_rank):

@@ -88,6 +88,7 @@ def _check(results_per_rank: list[list[dict]], split) -> None:
 
 
 @pytest.mark.parametrize("split", list(QUICK))
+@pytest.mark.slow
 def test_greedy_generate_matches_single_device_quick(pools, split):
     ring, ulysses = split
     cases = [(f, 37) for f in QUICK[split]]
@@ -119,6 +120,7 @@ def _rank_search(ring: int, ulysses: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_beam_search_and_sampling(pools):
     results = pools(4).run(_rank_search, 2, 2)
     for r in results:
@@ -276,6 +278,7 @@ def _rank_generation_configs(ring: int, ulysses: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_use_cache_and_beam_search_from_any_generation_config(pools):
     results = pools(4).run(_rank_generation_configs, 2, 2)
     for rank, r in enumerate(results):
@@ -303,6 +306,7 @@ def _rank_mla(ring: int, ulysses: int, families: list[str]) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_deepseek_mla_generate_matches_single_device(pools):
     for rank, r in enumerate(pools(4).run(_rank_mla, 2, 2, ["deepseek_v2", "deepseek_v3"])):
         for case, (got, want) in r.items():

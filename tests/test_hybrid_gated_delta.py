@@ -99,6 +99,7 @@ def _check(worlds, per_rank):
         assert all(r[w][1] == refusals for r in per_rank), worlds[w]  # the same error on every rank
 
 
+@pytest.mark.slow
 def test_hybrid_families_exact_2x2(pools):
     worlds = [(2, 2)]
     per_rank = pools(4).run(_run, worlds, _references(FAMILIES), True)

@@ -153,6 +153,7 @@ def test_one_rank_unchanged():
         assert torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits), family
 
 
+@pytest.mark.slow
 def test_mamba_families_2x2(pools):
     worlds = [(2, 2)]
     per_rank = pools(4).run(_run, worlds, HYBRID + PLAIN, True)

@@ -153,6 +153,7 @@ def _check_auto(per_rank):
         assert all(extra[key] == first[key] for extra in extras), key  # the same error on every rank
 
 
+@pytest.mark.slow
 def test_modes_exact_and_equal_2x2():
     worlds = [(2, 2)]
     with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout

@@ -203,6 +203,7 @@ def _check_quick(per_rank):
         sent, predicted = extra["bytes"]["state_passing"]
         assert sent * 3 <= predicted * 1.05 and predicted <= 2 * sent * 3, (rank, "state_passing", sent, predicted)
 
+@pytest.mark.slow
 def test_rglru_modes_exact_and_equal_2x2(pools):
     worlds = [(2, 2)]
     per_rank = pools(4).run(_run, worlds, _references((SEQ_LEN, SHORT)), True)

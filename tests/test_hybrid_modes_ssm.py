@@ -167,6 +167,7 @@ def _check_auto(per_rank):
     assert all(extra["refused"] == extras[0]["refused"] for extra in extras)  # the same error on every rank
 
 
+@pytest.mark.slow
 def test_ssm_modes_exact_and_equal_2x2(pools):
     worlds = [(2, 2)]
     cases = [(f, {}) for f in QUICK] + list(FEW_HEADS.items())

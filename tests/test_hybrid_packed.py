@@ -134,6 +134,7 @@ def _check(worlds, per_rank):
         assert "[11, 23, 8]" in refused["counts"][1] and "41" in refused["counts"][1], refused["counts"]
 
 
+@pytest.mark.slow
 def test_packed_families_exact_2x2(pools):
     worlds = [(2, 2)]
     per_rank = pools(4).run(_run, worlds, _references(QUICK), ("head_parallel", "state_passing"), True)

@@ -145,6 +145,7 @@ def _check(worlds, per_rank):
             _check_refusals(worlds[w], refused)
 
 
+@pytest.mark.slow
 def test_packed_mamba_exact_2x2(pools):
     worlds = [(2, 2)]
     per_rank = pools(4).run(_run, worlds, _references(QUICK), MODES, True)

@@ -144,6 +144,7 @@ def _rank_balance(ring: int, ulysses: int, prompt: int, steps: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_cache_stays_balanced_over_many_decode_steps(pools):
     # 300 steps: each rank's share grows by 75-100 rows, several buffer growths (1000 steps took a
     # minute of the quick subset and asserted the same bounds)
@@ -176,6 +177,7 @@ def _rank_dropped(ring: int, ulysses: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_rows_out_of_every_future_window_are_dropped(pools):
     results = pools(4).run(_rank_dropped, 2, 2)
     kept = [sorted(p for r in results for p in r["kept"][layer]) for layer in range(2)]

@@ -233,6 +233,7 @@ def _rank_compiled() -> list[tuple[str, float]]:
     return results
 
 
+@pytest.mark.slow
 def test_keep_head_shards_compiled(pools):
     _assert_within_tol(pools(2).run(_rank_compiled), 8)
 

@@ -182,6 +182,7 @@ def _check_refusals(per_rank: list[dict[str, tuple[str, str]]]) -> None:
         assert results == first, rank
 
 
+@pytest.mark.slow
 def test_mixer_families_and_unhonoured_arguments_refused_on_every_rank_2x2(short_pools):
     pool = short_pools(4)  # a rank left waiting fails within the timeout
     per_rank = pool.run(_rank_refusals, 2, 2)

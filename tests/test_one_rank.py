@@ -44,6 +44,7 @@ def _real_rank(config: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.slow
 def test_one_rank_runs_what_the_real_rank_runs(pools, name):
     config = dataclasses.replace(CASES[name], **QUICK)
     n = config.cp_size

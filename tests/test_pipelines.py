@@ -93,6 +93,7 @@ def _compare(cases: list[str], layouts: list[tuple[int, int]]) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_pipeline_call_matches_one_device(pools, world):
     per_rank = pools(world).run(_compare, list(CASES), LAYOUTS[world])
     failures = []

@@ -500,6 +500,7 @@ def _python(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_info_prints_the_planners_choice():
     proc = _python("-m", "seqpar", "info", "--cp-size", "4", "--seq-len", "8192", "--heads", "6", "--kv-heads", "2",
                    "--head-dim", "64", "--window", "511", "0", "--preset", "cpu", "--dtype", "float32",
@@ -532,6 +533,7 @@ def _assert_one_recommendation(stdout, want):
         assert ties[0].endswith("; ".join(f"ParallelState({arguments(c)})" for c in want.tied)), ties
 
 
+@pytest.mark.slow
 def test_info_names_the_exact_state_and_no_self_tie():
     # Two CPU ranks: the all-gather ring is chosen, tied with the point-to-point ring of the same split.
     proc = _python("-m", "seqpar", "info", "--cp-size", "2", "--seq-len", "8192", "--preset", "cpu", "--dtype", "float32")

@@ -139,6 +139,7 @@ def test_help_in_its_own_interpreter_prints_what_the_probe_saw():
     assert proc.stdout == _help("bench_all_to_all.py").stdout
 
 
+@pytest.mark.slow
 def test_demo_help_is_readable_and_shows_defaults():
     proc = _run(["-m", "seqpar", "demo", "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -158,6 +159,7 @@ def _check_plot(proc: subprocess.CompletedProcess, png: Path) -> None:
     json.loads(lines[-1])  # the report is still the last line
 
 
+@pytest.mark.slow
 def test_bench_overhead_plot(tmp_path):
     png = tmp_path / "overhead.png"
     proc = _run(["scripts/bench_overhead.py", "--seq-len", "16", "--iters", "2", "--rounds", "2", "--plot", str(png)],
@@ -227,6 +229,7 @@ def test_bench_varlen_plot(tmp_path):
     assert [r["config"] for r in report["results"]] == ["2x1", "1x2"]
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_fails_before_running(tmp_path):
     """``--plot`` without matplotlib stops at parse time, saying how to install it."""
     hide = (

@@ -88,6 +88,7 @@ def _sdpa_model_cases(ring, ulysses, cases):
 
 
 @pytest.mark.parametrize("ring,ulysses", STATES)
+@pytest.mark.slow
 def test_sdpa_model_matches_single_device(pools, ring, ulysses):
     # Odd token counts; heads 3 and 5 divide no Ulysses size > 1; GQA 6/3 and 6/2, MQA 5/1.
     cases = [

@@ -95,6 +95,7 @@ def test_top_k_cuts():
             assert (sparse - dense).abs().max().item() > 1e-3, family
 
 
+@pytest.mark.slow
 def test_sparse_attention_exact_2x2():
     worlds = [(2, 2)]
     with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout

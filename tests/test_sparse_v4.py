@@ -123,6 +123,7 @@ def test_every_part_cuts():
             assert (base - other).abs().max().item() > 1e-3, change
 
 
+@pytest.mark.slow
 def test_compressed_attention_exact_2x2():
     worlds = [(2, 2)]
     with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout

@@ -124,6 +124,7 @@ def _recreate_over_subgroups(rounds):
     return sums
 
 
+@pytest.mark.slow
 def test_states_recreated_over_subgroups_after_close():
     # Its own pool and a short timeout: a reused group name made a rank wait for a dead peer.
     from seqpar.tools.testing import DistPool

@@ -215,6 +215,7 @@ def test_dataset_discriminates():
     assert len(set(counts)) > 4 and replicas[0] != replicas[1] and 0 in counts
 
 
+@pytest.mark.slow
 def test_cp2_dp2_accumulation_matches_one_device(pools, tmp_path):
     """CP 2 x DP 2 (4 ranks), accumulation 2: SeqparTrainer (model with and without loss kwargs) and
     the accelerate recipe against the stock Trainer on one device."""
@@ -227,6 +228,7 @@ def test_cp2_dp1_accumulation_matches_one_device(pools, tmp_path):
     _check(pools(2).run(_run, str(tmp_path), 2, True, False))
 
 
+@pytest.mark.slow
 def test_cp3_accumulation_matches_one_device(pools, tmp_path):
     _check(pools(3).run(_run, str(tmp_path), 3, True, False))
 

@@ -128,6 +128,7 @@ def test_matches_reference_world4(pools, R, U):
     _check(pools, 4, R, U, _cases(R, U, HEADS))
 
 
+@pytest.mark.slow
 def test_matches_reference_world8(pools):
     # (3, 1): H < U, so Ulysses rank 3 has no head and sits out with its ring partner.
     _check(pools, 8, 2, 4, _cases(2, 4, [(4, 4), (6, 2), (3, 1)]))

@@ -123,6 +123,7 @@ def _rank_exact(keep: bool, packed: bool) -> dict:
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.slow
 def test_attention_exact_with_either_workspace(pools, world, keep, packed):
     for rank, r in enumerate(pools(world).run(_rank_exact, keep, packed)):
         assert r["err"] < 1e-10, (rank, r)
