@@ -292,8 +292,9 @@ def _rank_auto(shapes) -> list[tuple[str, int, float, bool]]:
 
 
 _AUTO_QUICK = [(1, 2, 37, 6, 2, 8, 2, True), (2, 1, 29, 8, 2, 4, 1, False)]
-# Large enough that the cpu preset's per-group latencies cost under 10%: "auto" resolves to 2 groups.
-_AUTO_GROUPS = [(1, 2, 2048, 8, 4, 16, 4, False), (2, 1, 2048, 8, 4, 16, 4, False)]
+# Large enough that the cpu preset's per-group latencies cost under 10%: "auto" resolves to 2 groups
+# (Ulysses pays eight all-to-all latencies per group: the longer sequence).
+_AUTO_GROUPS = [(1, 2, 3072, 8, 4, 16, 4, False), (2, 1, 2048, 8, 4, 16, 4, False)]
 
 
 def _check_auto(per_rank, want_groups=None) -> None:

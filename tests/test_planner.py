@@ -269,8 +269,9 @@ def _by_rank_candidate(shape, R, U, ranks_per_node, cost, ring_comm="p2p", keep_
 
     a2a_s, a2a_bytes, a2a_inter = 0.0, [0] * N, False
     if U > 1:
-        for q_mult, kv_mult, to_heads in ((1, 2, True), (1, 0, False), (1, 0, True) if keep else (3, 2, True),
-                                          (1, 2, False)):
+        # The backward's q, k, v, out and dout travel one collective each (dout alone when kept).
+        for q_mult, kv_mult, to_heads, calls in ((1, 2, True, 1), (1, 0, False, 1),
+                                                 (1, 0, True, 1) if keep else (3, 2, True, 5), (1, 2, False, 1)):
             width = [q_mult * a.q_len + kv_mult * a.kv_len for a in heads]
             seconds = 0.0
             for r in range(R):
@@ -284,8 +285,8 @@ def _by_rank_candidate(shape, R, U, ranks_per_node, cost, ring_comm="p2p", keep_
                         inn[kind] += (sizes[j] * width[i] if to_heads else sizes[i] * width[j]) * row
                         a2a_inter = a2a_inter or kind == "inter"
                     a2a_bytes[c] += out["intra"] + out["inter"]
-                    seconds = max(seconds, cost.ulysses_intra.seconds(max(out["intra"], inn["intra"])),
-                                  cost.ulysses_inter.seconds(max(out["inter"], inn["inter"])))
+                    seconds = max(seconds, cost.ulysses_intra.seconds(max(out["intra"], inn["intra"]), calls),
+                                  cost.ulysses_inter.seconds(max(out["inter"], inn["inter"]), calls))
             a2a_s += seconds
 
     plans, rings = _every_ranks_plan(S, R, shape.mask)

@@ -403,9 +403,10 @@ def _overlapped(compute: float, transfer: float, overlap: float) -> float:
 
 def _a2a_phase(
     placement: Placement, heads: list[HeadAssignment], q_mult: int, kv_mult: int, to_heads: bool,
-    shape: Shape, ranks_per_node: int, cost: CostModel,
+    shape: Shape, ranks_per_node: int, cost: CostModel, calls: int = 1,
 ) -> tuple[float, list[int], bool]:
-    """``(seconds, bytes sent per cp rank, crosses nodes)`` of one fused all-to-all per ring rank.
+    """``(seconds, bytes sent per cp rank, crosses nodes)`` of one phase of all-to-alls per ring
+    rank: ``calls`` collectives (one latency each) moving the phase's bytes.
 
     ``to_heads``: token shards -> head shards (rank ``i`` sends rank ``j`` its tokens of ``j``'s
     heads: ``sizes[i] * width[j]`` rows); else the reverse. Each tensor counts ``q_mult``
@@ -441,7 +442,8 @@ def _a2a_phase(
                     inn = (sizes[i] * w_near * row, sizes[i] * w_far * row)
                 out_bytes.append(out[0] + out[1])
                 cross = cross or hi - lo < U
-                t = max(cost.ulysses_intra.seconds(max(out[0], inn[0])), cost.ulysses_inter.seconds(max(out[1], inn[1])))
+                t = max(cost.ulysses_intra.seconds(max(out[0], inn[0]), calls),
+                        cost.ulysses_inter.seconds(max(out[1], inn[1]), calls))
                 slowest = max(slowest, t)
             seen[key] = (slowest, out_bytes, cross)
         slowest, out_bytes, cross = seen[key]
@@ -560,14 +562,18 @@ def predict(
     h = [a.q_len for a in heads]
     kvh = [a.kernel_kv_heads for a in heads]  # K/V heads the ring moves (expanded)
 
-    # 1. Ulysses: four all-to-alls.
+    # 1. Ulysses: four phases of all-to-alls. The backward sends q, k, v, out and dout one
+    # collective each (one staging copy alive at a time: Note [Ulysses memory]), so that phase
+    # pays five latencies; where a collective's latency is large (gloo: ~10 ms) they decide short
+    # sequences.
     a2a_s = 0.0
     a2a_bytes = [0] * N
     a2a_inter = False
     if U > 1:
-        backward_to_heads = (1, 0, True) if keep else (3, 2, True)  # dout only, or q, k, v, out, dout
-        for q_mult, kv_mult, to_heads in ((1, 2, True), (1, 0, False), backward_to_heads, (1, 2, False)):
-            t, sent, crosses = _a2a_phase(placement, heads, q_mult, kv_mult, to_heads, shape, ranks_per_node, cost)
+        backward_to_heads = (1, 0, True, 1) if keep else (3, 2, True, 5)  # dout only, or q, k, v, out, dout
+        for q_mult, kv_mult, to_heads, calls in ((1, 2, True, 1), (1, 0, False, 1), backward_to_heads, (1, 2, False, 1)):
+            t, sent, crosses = _a2a_phase(placement, heads, q_mult, kv_mult, to_heads, shape, ranks_per_node, cost,
+                                          calls)
             a2a_s += t
             a2a_inter = a2a_inter or crosses
             a2a_bytes = [x + y for x, y in zip(a2a_bytes, sent)]
