@@ -66,7 +66,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...placement import Mask
 from ...sharding import unshard
 from ...state import ParallelState
 from . import register_adapter
@@ -155,11 +154,6 @@ class _EagerInterface:
         return self.eager
 
 
-def _window_mask(module: nn.Module, grid: int) -> Mask:
-    """The mask seqpar recognises for ``module``'s sliding window on ``grid`` positions."""
-    return Mask(causal=True, window=(module.sliding_window - 1, -1)).normalised(grid)
-
-
 _REFUSE = CallRefusal(
     "DeepSeek-V4 compressed attention", "the compressors' windows and entries would have to be cached per rank",
     decode="on one device with attn_implementation='eager'", window=lambda module: module.sliding_window,
@@ -173,7 +167,7 @@ def _layer_mask(module: nn.Module, positions: Tensor, seq_len: int, batch: int, 
     compressor's rule too (it builds no block bias then: Note [DeepSeek-V4 compressed attention
     on shards])."""
     keys = torch.arange(seq_len, device=positions.device)
-    seen = _window_mask(module, seq_len).allows(positions, keys)
+    seen = _REFUSE.expected(module, seq_len).allows(positions, keys)  # the sliding window the call was checked for
     if module.layer_type == _HCA and positions.numel() == 1:
         rate = module.compressor.compress_rate
         entries = torch.arange(seq_len // rate, device=positions.device)
