@@ -220,7 +220,7 @@ def test_transport_uses_one_gather_and_agrees_with_p2p(pools, world):
 def _rank_schedule(S: int) -> tuple[list, float]:
     """Forward and backward of the all-gather driver with a trace, on the whole world's ring."""
     from seqpar.backends import get_backend
-    from seqpar.parallel.allgather import AllGatherSetup, allgather_backward, allgather_forward
+    from seqpar.parallel.allgather import AllGatherSetup, kv_backward, kv_forward
     from seqpar.parallel.ring import RingSetup
 
     state = ParallelState(dist.get_world_size())
@@ -236,8 +236,8 @@ def _rank_schedule(S: int) -> tuple[list, float]:
     ring = RingSetup(state.ring_group, plans[r], get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace=trace)
     run = AllGatherSetup(ring, gather_plan(plans, r))
     local = [seqpar.shard(t, state) for t in (q, k, v)]
-    out, lse = allgather_forward(*local, None, None, None, run)
-    grads = allgather_backward(seqpar.shard(dout, state), *local, None, None, None, out, lse, run)[:3]
+    out, lse = kv_forward(*local, None, None, None, run)
+    grads = kv_backward(seqpar.shard(dout, state), *local, None, None, None, out, lse, run)[:3]
     errs = [_rel_err(out, seqpar.shard(ref, state))]
     errs += [_rel_err(g, seqpar.shard(x, state)) for g, x in zip(grads, ref_grads)]
     state.close()

@@ -2,32 +2,34 @@
 
 ``ParallelState(..., ring_comm="allgather")`` selects it; *what* each step computes is still the
 ring plan's (Note [Ring blocks]), *which rows travel where* is Note [All-gather K/V] in
-``seqpar/placement/gather.py``, and the kernel calls, accumulators and LSE merge are the ring
-driver's (``seqpar.parallel.ring``). :func:`kv_forward` / :func:`kv_backward` run a call with the
-transport its setup names; ``seqpar.parallel.hybrid`` and the Ulysses composition call them.
+``seqpar/placement/gather.py``, and the loops, kernel calls, accumulators and LSE merge are the ring
+driver's (``seqpar.parallel.ring``): :class:`AllGather` is one of its transports (Note [Ring
+transports]). :func:`kv_forward` / :func:`kv_backward` run a call with the transport its setup
+names; ``seqpar.parallel.hybrid`` and the Ulysses composition call them.
 
 Note [All-gather schedule]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 ::
 
-    forward:   start the all-gather of the contributed K/V rows   ("gather", 0)
-               compute step 0 on the local K/V (+ extra keys)     ("compute", 0)
-               wait for the all-gather                            ("wait", 0)
-               compute steps 1 .. R-1 on their slots              ("compute", i)
+    forward:   step 0: start the all-gather of the contributed K/V rows  ("gather", 0)
+                       compute on the local K/V (+ extra keys)           ("compute", 0)
+               step 1: wait for the all-gather                           ("wait", 0)
+               steps 1 .. R-1: compute on slot src(i)                    ("compute", i)
 
-    backward:  start the all-gather again (nothing was kept)      ("gather", 0)
-               step 0: dQ, dK/dV of the own rows                  ("compute", 0)
-               wait; steps 1 .. R-1: dQ, dK/dV of slot src(i)     ("wait", 0), ("compute", i)
-               start the reduce-scatter of the dK/dV slots        ("reduce_scatter", R-1)
-               wait, add the summed slot to the own rows          ("wait_grad", R-1)
+    backward:  the same, gathered again (nothing was kept); steps 1 .. R-1 write the dK/dV of
+               slot src(i) into that slot of the gradients' buffer
+               then: start the reduce-scatter of the dK/dV slots         ("reduce_scatter", R-1)
+                     wait, add the summed slot to the own rows           ("wait_grad", R-1)
 
 The gather overlaps step 0 (with few ring ranks, ``1 / R`` of the compute); the reduce-scatter
 overlaps nothing, as in every all-gather based context parallelism. Gradients of remote rows are
 written in the input dtype (each rank's sum of its kernel results, rounded once, as the ring sends
 them) and summed by the reduce-scatter in that dtype; own rows are summed in the accumulator dtype.
-Buffers live in the state's workspace (Note [Workspace]): the gathered K/V (``R * width`` rows),
-the rank's own contribution, and in the backward the dK/dV slots (``R * width`` rows) and the
-summed own slot. A step whose rows are not one range of its slot copies them into one buffer.
+Buffers live in the state's workspace (Note [Workspace]): the gathered K/V (``R * width`` rows,
+freed after the last step's kernels), the rank's own contribution, and in the backward the dK/dV
+slots (``R * width`` rows) and the summed own slot. A step whose rows are not one range of its
+slot copies them into one buffer, and its dK/dV from one buffer into their ranges of the slot. The
+own K/V are held to the end of the call (the ring's p2p transports free them once sent).
 """
 
 from __future__ import annotations
@@ -37,25 +39,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..comm import Pending, start_all_gather, start_reduce_scatter
+from ..comm import start_all_gather, start_reduce_scatter
 from ..placement.gather import GatherPlan
-from .merge import accumulator_dtype, sinks_grad
-from .ring import (
-    RingSetup,
-    _Accumulator,
-    _buffer,
-    _call_forward,
-    _extra_grads,
-    _local_grads,
-    _Output,
-    _record,
-    _remote_grads_into,
-    extra_block,
-    ring_backward,
-    ring_forward,
-)
+from .ring import RingSetup, Transport, ring_backward, ring_forward
 
-__all__ = ["AllGatherSetup", "allgather_forward", "allgather_backward", "kv_forward", "kv_backward"]
+__all__ = ["AllGatherSetup", "AllGather", "kv_forward", "kv_backward"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,15 +59,20 @@ class AllGatherSetup:
         """The ring setup's workspace (the scope of a call opens on it)."""
         return self.ring.workspace
 
+    def transport(self) -> Transport:
+        """A fresh transport for one forward or backward: :class:`AllGather`, or the ring's own
+        where nothing travels (one ring rank, or a mask no rank reads a remote row of)."""
+        if self.gather.ring_size == 1 or self.gather.width == 0:
+            return self.ring.transport()
+        return AllGather(self.ring, self.gather)
+
 
 def kv_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
     run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`~seqpar.parallel.ring.ring_forward` or :func:`allgather_forward`, by ``run``'s type."""
-    if isinstance(run, AllGatherSetup):
-        return allgather_forward(q, k, v, sinks, extra_k, extra_v, run)
-    return ring_forward(q, k, v, sinks, extra_k, extra_v, run)
+    """:func:`~seqpar.parallel.ring.ring_forward` with the transport ``run`` names."""
+    return ring_forward(q, k, v, sinks, extra_k, extra_v, _ring(run), run.transport())
 
 
 def kv_backward(
@@ -87,164 +80,131 @@ def kv_backward(
     extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup | AllGatherSetup,
     handed: list[Tensor] | None = None,
 ) -> tuple[Tensor | None, ...]:
-    """:func:`~seqpar.parallel.ring.ring_backward` or :func:`allgather_backward`, by ``run``'s type;
-    ``handed``: ``[k, v]`` instead of ``k, v``, for the p2p ring to free once sent (Note [Own K/V
-    released]; the all-gather holds them to the end)."""
-    if isinstance(run, AllGatherSetup):
-        if handed is not None:
-            k, v = handed
-        return allgather_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, run)
-    return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, run, handed)
+    """:func:`~seqpar.parallel.ring.ring_backward` with the transport ``run`` names; ``handed``:
+    ``[k, v]`` instead of ``k, v``, for the p2p transports to free once sent (Note [Own K/V
+    released])."""
+    return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, _ring(run), handed, run.transport())
 
 
-def _local_only(run: AllGatherSetup) -> bool:
-    """Nothing travels (one ring rank, or a mask no rank reads a remote row of): the ring's own
-    step 0 is the whole call."""
-    return run.gather.ring_size == 1 or run.gather.width == 0
+def _ring(run: RingSetup | AllGatherSetup) -> RingSetup:
+    return run.ring if isinstance(run, AllGatherSetup) else run
 
 
-def _start_gather(run: AllGatherSetup, k: Tensor, v: Tensor) -> tuple[Pending, Tensor, Tensor]:
-    """Start the all-gather of this rank's contributed K/V rows (one collective for K and V).
+class AllGather(Transport):
+    """Every step's K/V from one all-gather of the ring group, the dK/dV home by one
+    reduce-scatter (Note [All-gather schedule])."""
 
-    Returns ``(pending, k_all, v_all)``: ``[R, B, width, Hkv, D]`` / ``[..., Dv]`` views of the
-    gathered buffer, valid after ``pending.wait()``.
-    """
-    ring, g = run.ring, run.gather
-    B, R, W = k.shape[0], g.ring_size, g.width
-    nk, nv = B * W * math.prod(k.shape[2:]), B * W * math.prod(v.shape[2:])
-    part = _buffer(ring, "allgather.part", (nk + nv,), k, k.dtype)
-    k_part = part[:nk].view(B, W, *k.shape[2:])
-    v_part = part[nk:].view(B, W, *v.shape[2:])
-    off = 0
-    for a, b in g.rows[g.ring_rank]:
-        k_part[:, off:off + b - a].copy_(k[:, a:b])
-        v_part[:, off:off + b - a].copy_(v[:, a:b])
-        off += b - a
-    gathered = _buffer(ring, "allgather.kv", (R, nk + nv), k, k.dtype)
-    pending = start_all_gather(gathered.view(-1), part, ring.group)
-    k_all = gathered[:, :nk].unflatten(1, (B, W, *k.shape[2:]))
-    v_all = gathered[:, nk:].unflatten(1, (B, W, *v.shape[2:]))
-    return pending, k_all, v_all
+    # A step's dK/dV are written into their slot of the reduce-scatter's buffer.
+    sends_kernel_results = False
 
+    def __init__(self, run: RingSetup, gather: GatherPlan) -> None:
+        super().__init__(run)
+        self.gather = gather
 
-def _step_rows(run: AllGatherSetup, i: int, slot: Tensor, role: str, kv_len: int) -> Tensor:
-    """Step ``i``'s compact buffer ``[B, kv_len, ...]`` from its slot: a view when its rows are one
-    range there, else a copy into a workspace buffer."""
-    ranges = run.gather.steps[i]
-    if len(ranges) == 1:
-        a, b = ranges[0]
-        return slot[:, a:b]
-    out = _buffer(run.ring, role, (slot.shape[0], kv_len, *slot.shape[2:]), slot, slot.dtype)
-    off = 0
-    for a, b in ranges:
-        out[:, off:off + b - a].copy_(slot[:, a:b])
-        off += b - a
-    return out
+    def start(self, k: Tensor, v: Tensor, handed: list[Tensor] | None = None) -> None:
+        super().start(k, v)  # held to the end: the list is left as it is
+        self.pending = self.k_all = self.v_all = None  # the all-gather in flight, its K and V views
+        self.grads = None  # (buffer, dK slots, dV slots) of the backward, once written
 
+    def _sizes(self) -> tuple[int, int]:
+        """Elements of one slot's K and of its V: ``B * width * Hkv * D`` / ``... * Dv``."""
+        (k, v), W = self.like, self.gather.width
+        return k.shape[0] * W * math.prod(k.shape[2:]), v.shape[0] * W * math.prod(v.shape[2:])
 
-def allgather_forward(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, run: AllGatherSetup,
-) -> tuple[Tensor, Tensor]:
-    """All-gather attention forward on ring-local buffers (Note [All-gather schedule]); no autograd.
+    def _slots(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """``flat`` ``[R, nk + nv]`` as K and V slots: ``[R, B, width, Hkv, D]`` / ``[..., Dv]``."""
+        (k, v), W, (nk, _) = self.like, self.gather.width, self._sizes()
+        return (flat[:, :nk].unflatten(1, (k.shape[0], W, *k.shape[2:])),
+                flat[:, nk:].unflatten(1, (v.shape[0], W, *v.shape[2:])))
 
-    Args and returns as :func:`~seqpar.parallel.ring.ring_forward`: q ``[B, L, H, D]``, k / v
-    ``[B, L, Hkv, D]`` / ``[B, L, Hkv, Dv]``, sinks ``[H]`` or None, extra_k / extra_v
-    ``[B, P, Hkv, D]`` / ``[..., Dv]`` or None; ``out`` ``[B, L, H, Dv]`` in q's dtype and ``lse``
-    ``[B, H, L]`` in the accumulator dtype.
-    """
-    ring = run.ring
-    if _local_only(run):
-        return ring_forward(q, k, v, sinks, extra_k, extra_v, ring)
-    steps = ring.plan.steps
-    result = _Output(q, (*q.shape[:3], v.shape[-1]))
-    cache: dict = {}
-    pending, k_all, v_all = _start_gather(run, k, v)
-    _record(ring, "gather", 0)
-    _record(ring, "compute", 0)
-    for call in steps[0].calls:
-        result.add(*_call_forward(ring, call, q, k, v, cache))
-    if (call := extra_block(q, extra_k)) is not None:
-        result.add(*_call_forward(ring, call, q, extra_k, extra_v, cache))
-    pending.wait()
-    _record(ring, "wait", 0)
-    for i, step in enumerate(steps[1:], 1):
-        if not step.calls:
-            continue
-        _record(ring, "compute", i)
-        k_i = _step_rows(run, i, k_all[step.src], "allgather.step_k", step.kv_len)
-        v_i = _step_rows(run, i, v_all[step.src], "allgather.step_v", step.kv_len)
-        for call in step.calls:
-            result.add(*_call_forward(ring, call, q, k_i, v_i, cache))
-    return result.result(sinks)
+    def kv(self, i: int) -> tuple[Tensor | None, Tensor | None]:
+        if i == 0:
+            self._start_gather()
+            self.record("gather", 0)
+            return self.k, self.v
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self.record("wait", 0)
+        step = self.steps[i]
+        kv = None, None
+        if step.calls:
+            kv = (self._step_rows(i, self.k_all[step.src], "allgather.step_k"),
+                  self._step_rows(i, self.v_all[step.src], "allgather.step_v"))
+        if i == len(self.steps) - 1:  # read for the last time by this step's kernels
+            self.k_all = self.v_all = None
+        return kv
 
+    def _start_gather(self) -> None:
+        """Start the all-gather of this rank's contributed K/V rows (one collective for K and V)."""
+        k, v, g = self.k, self.v, self.gather
+        nk, nv = self._sizes()
+        part = self.buffer("allgather.part", (nk + nv,), k, k.dtype)
+        k_part = part[:nk].view(k.shape[0], g.width, *k.shape[2:])
+        v_part = part[nk:].view(v.shape[0], g.width, *v.shape[2:])
+        off = 0
+        for a, b in g.rows[g.ring_rank]:
+            k_part[:, off:off + b - a].copy_(k[:, a:b])
+            v_part[:, off:off + b - a].copy_(v[:, a:b])
+            off += b - a
+        gathered = self.buffer("allgather.kv", (g.ring_size, nk + nv), k, k.dtype)
+        self.pending = start_all_gather(gathered.view(-1), part, self.run.group)
+        self.k_all, self.v_all = self._slots(gathered)
 
-def allgather_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: AllGatherSetup,
-) -> tuple[Tensor | None, ...]:
-    """All-gather attention backward (Note [All-gather schedule]); no autograd.
-
-    Returns, as :func:`~seqpar.parallel.ring.ring_backward`, ``dq, dk, dv, dsinks, dextra_k,
-    dextra_v`` (None where the input is None); ``dk``/``dv`` are the gradients of this rank's own
-    K/V summed over every rank's queries.
-    """
-    ring, g = run.ring, run.gather
-    if _local_only(run):
-        return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, ring)
-    steps = ring.plan.steps
-    acc = accumulator_dtype(q.dtype)
-    dq = _Accumulator(q.shape, acc, q.device)
-    dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
-    cache: dict = {}
-
-    pending, k_all, v_all = _start_gather(run, k, v)
-    _record(ring, "gather", 0)
-    _record(ring, "compute", 0)
-    _local_grads(ring, steps[0].calls, dout, q, k, v, out, lse, dq, dk, dv, cache)
-    dextra = _extra_grads(ring, dout, q, extra_k, extra_v, out, lse, dq, cache)
-    pending.wait()
-    _record(ring, "wait", 0)
-
-    # dK/dV slots shaped like the gathered buffer; slots (and rows) no step writes stay zero.
-    R, B, W = g.ring_size, k.shape[0], g.width
-    nk, nv = B * W * math.prod(k.shape[2:]), B * W * math.prod(v.shape[2:])
-    grads = _buffer(ring, "allgather.grad", (R, nk + nv), k, k.dtype).zero_()
-    gk_all = grads[:, :nk].unflatten(1, (B, W, *k.shape[2:]))
-    gv_all = grads[:, nk:].unflatten(1, (B, W, *v.shape[2:]))
-    for i, step in enumerate(steps[1:], 1):
-        if not step.calls:
-            continue
-        _record(ring, "compute", i)
-        k_i = _step_rows(run, i, k_all[step.src], "allgather.step_k", step.kv_len)
-        v_i = _step_rows(run, i, v_all[step.src], "allgather.step_v", step.kv_len)
-        ranges = g.steps[i]
-        if len(ranges) == 1:  # straight into the slot
+    def _step_rows(self, i: int, slot: Tensor, role: str) -> Tensor:
+        """Step ``i``'s compact buffer ``[B, kv_len, ...]`` from its slot: a view when its rows are
+        one range there, else a copy into a workspace buffer."""
+        ranges = self.gather.steps[i]
+        if len(ranges) == 1:
             a, b = ranges[0]
-            _remote_grads_into(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk_all[step.src][:, a:b],
-                               gv_all[step.src][:, a:b], cache)
-            continue
-        gk = _buffer(ring, "allgather.step_grad_k", tuple(k_i.shape), k, k.dtype)
-        gv = _buffer(ring, "allgather.step_grad_v", tuple(v_i.shape), v, v.dtype)
-        _remote_grads_into(ring, step.calls, dout, q, k_i, v_i, out, lse, dq, gk, gv, cache)
+            return slot[:, a:b]
+        out = self.buffer(role, (slot.shape[0], self.steps[i].kv_len, *slot.shape[2:]), slot, slot.dtype)
         off = 0
         for a, b in ranges:
-            gk_all[step.src][:, a:b].copy_(gk[:, off:off + b - a])
-            gv_all[step.src][:, a:b].copy_(gv[:, off:off + b - a])
+            out[:, off:off + b - a].copy_(slot[:, a:b])
             off += b - a
-    home = _buffer(ring, "allgather.grad_home", (nk + nv,), k, k.dtype)
-    pending = start_reduce_scatter(home, grads.view(-1), ring.group)
-    _record(ring, "reduce_scatter", len(steps) - 1)
-    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
-    pending.wait()
-    _record(ring, "wait_grad", len(steps) - 1)
-    hk, hv = home[:nk].view(B, W, *k.shape[2:]), home[nk:].view(B, W, *v.shape[2:])
-    off = 0
-    for a, b in g.rows[g.ring_rank]:
-        dk.add(slice(a, b), hk[:, off:off + b - a], owned=False)  # workspace rows are reused
-        dv.add(slice(a, b), hv[:, off:off + b - a], owned=False)
-        off += b - a
-    dek = dev = None
-    if dextra is not None:
-        dek, dev = dextra[0].result().to(extra_k.dtype), dextra[1].result().to(extra_v.dtype)
-    return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), dsinks, dek, dev
+        return out
+
+    def _grad_slots(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The dK/dV slots shaped like the gathered buffer; slots (and rows) no step writes stay zero."""
+        if self.grads is None:
+            k = self.like[0]
+            flat = self.buffer("allgather.grad", (self.gather.ring_size, sum(self._sizes())), k, k.dtype).zero_()
+            self.grads = (flat, *self._slots(flat))
+        return self.grads
+
+    def grad_buffers(self, i: int) -> tuple[Tensor, Tensor]:
+        _, gk_all, gv_all = self._grad_slots()
+        step, ranges = self.steps[i], self.gather.steps[i]
+        if len(ranges) == 1:  # straight into the slot
+            a, b = ranges[0]
+            return gk_all[step.src][:, a:b], gv_all[step.src][:, a:b]
+        k, v = self.like
+        return (self.buffer("allgather.step_grad_k", (k.shape[0], step.kv_len, *k.shape[2:]), k, k.dtype),
+                self.buffer("allgather.step_grad_v", (v.shape[0], step.kv_len, *v.shape[2:]), v, v.dtype))
+
+    def send_grads(self, i: int, gk: Tensor | None, gv: Tensor | None, dk, dv) -> None:
+        ranges = self.gather.steps[i]
+        if gk is None or len(ranges) == 1:  # nothing written, or written in the slot itself
+            return
+        _, gk_all, gv_all = self._grad_slots()
+        src, off = self.steps[i].src, 0
+        for a, b in ranges:
+            gk_all[src][:, a:b].copy_(gk[:, off:off + b - a])
+            gv_all[src][:, a:b].copy_(gv[:, off:off + b - a])
+            off += b - a
+
+    def collect(self, dk, dv) -> None:
+        flat, _, _ = self._grad_slots()
+        k, v = self.like
+        nk, _ = self._sizes()
+        home = self.buffer("allgather.grad_home", (flat.shape[1],), k, k.dtype)
+        pending = start_reduce_scatter(home, flat.view(-1), self.run.group)
+        self.record("reduce_scatter", len(self.steps) - 1)
+        pending.wait()
+        self.record("wait_grad", len(self.steps) - 1)
+        self.grads = flat = None
+        W = self.gather.width
+        hk = home[:nk].view(k.shape[0], W, *k.shape[2:])
+        hv = home[nk:].view(v.shape[0], W, *v.shape[2:])
+        self.add_rows(dk, dv, hk, hv, self.gather.rows[self.gather.ring_rank])

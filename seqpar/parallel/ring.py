@@ -1,33 +1,54 @@
 """The ring driver: executes a :class:`~seqpar.placement.RingPlan`, forward and backward.
 
 Dense and packed attention both run here (packed buffers are a batch of one); *what* each step
-computes is the plan's (Note [Ring blocks]), *how* is this module's. ``ring_forward`` /
+computes is the plan's (Note [Ring blocks]), *how the K/V get there* is a transport's (Note [Ring
+transports]), and the kernels, accumulators and merging are this module's. ``ring_forward`` /
 ``ring_backward`` are plain functions (kernels, merging, transfers; no autograd) on inputs the
 public entry points validated; ``seqpar.parallel.hybrid`` composes them with Ulysses.
+
+Note [Ring transports]
+~~~~~~~~~~~~~~~~~~~~~~
+One forward loop and one backward loop run every step of the plan, whatever moves the K/V; a
+:class:`Transport` is asked for them and for where the gradients go::
+
+    forward:   step i:  k_i, v_i = t.kv(i); step i's calls, merged by LSE
+    backward:  step i:  k_i, v_i = t.kv(i); step i's calls: dQ, and dK/dV of the rows of src(i)
+                        (own accumulators at i = 0), written into t.grad_buffers(i) or, where
+                        t.sends_kernel_results, sent as the kernel returned them; t.send_grads(i)
+               then     t.collect(dk, dv): the own rows' dK/dV from every rank, added home
+
+When a transfer starts and completes, which buffers it uses and when this rank's own K/V may
+go is the transport's; which calls run and when a step's buffers die is the loops'. Three
+transports: :class:`P2P` (one hop per step, overlapping the next step's compute, Note [Ring
+schedule]), :class:`SerialP2P` (the same hops, each completed before its step's kernels, Note
+[Serial ring]) and ``seqpar.parallel.allgather.AllGather`` (one all-gather and one
+reduce-scatter, Note [All-gather schedule]), on the same plan (host maths, Note [Ring blocks]).
+Every rank of a ring runs the same transport, as their messages pair up in its order (the
+transport is part of the call signature ``checks`` compares).
 
 Note [Ring schedule]
 ~~~~~~~~~~~~~~~~~~~~
 Step ``i`` (``i = 0 .. R-1``) of ring rank ``r`` attends the K/V of ``src = (r - i) mod R`` and
 sends its own K/V rows to ``dst = (r + i) mod R``; every transfer is one hop, only the rows the
-plan says the receiver reads, received into one of two alternating buffers (ping-pong)::
+plan says the receiver reads, received into one of two alternating buffers (ping-pong). The
+:class:`P2P` transport::
 
-    forward, step i:   post  K/V rows -> dst(i+1), K/V rows of src(i+1) <-     ("post", i+1)
+    forward, step i:   wait for the K/V of step i                               ("wait", i)
+                       post  K/V rows -> dst(i+1), K/V rows of src(i+1) <-     ("post", i+1)
                        compute step i's calls, merge into the fp32 accumulators ("compute", i)
-                       wait for the K/V of step i+1                            ("wait", i+1)
 
-    backward, step i:  post K/V exactly as in the forward                     ("post", i+1)
+    backward, step i:  K/V exactly as in the forward                ("wait", i), ("post", i+1)
                        compute step i: dQ into its accumulator, dK/dV of the
                        rows of src(i) (own accumulators at i = 0)              ("compute", i)
                        wait for step i-1's gradients, add them to own rows     ("wait_grad", i-1)
                        post  dK/dV -> src(i), dK/dV of own rows <- dst(i)      ("post_grad", i)
-                       wait for the K/V of step i+1                            ("wait", i+1)
 
-Each step's transfer overlaps the compute of the step after it (``trace``, a list, records the
-events for tests). Every rank posts its point-to-point operations in the same order, so the
-messages of each pair of ranks pair up in order. A step the plan leaves empty moves nothing and
-runs no kernel. Results are merged by LSE in fp32 (``seqpar.parallel.merge``); sinks join last
-(Note [Attention sinks]). Extra local K/V (replicated text tokens of joint attention) are attended
-by every query row at step 0 and never travel.
+The K/V of step i+1 travel while step i computes, and step i's gradients while step i+1
+computes (``trace``, a list, records the events for tests). Every rank posts its point-to-point
+operations in the same order, so the messages of each pair of ranks pair up in order. A step the
+plan leaves empty moves nothing and runs no kernel. Results are merged by LSE in fp32
+(``seqpar.parallel.merge``); sinks join last (Note [Attention sinks]). Extra local K/V (replicated
+text tokens of joint attention) are attended by every query row at step 0 and never travel.
 
 Memory (buffers from the workspace, Note [Workspace]: fresh per call by default, freed once
 dead): the K/V of two steps (the one computed, the one arriving), one staging copy of the rows
@@ -37,20 +58,20 @@ output and the three gradients at the backward's peak: the price of overlapping 
 accumulators start as the first kernel result that covers every row (no zero fill), kernel
 results are dropped as soon as they are added, and large unmasked blocks that are not a whole
 step run their backward in two halves of the keys (smaller kernel results). Only q, k, v, out
-and the LSE of the shard are saved for backward. Without overlap (Note [Serial ring]) only the
-step's own K/V and gradients are held.
+and the LSE of the shard are saved for backward; the sinks' gradient is computed first, before
+any step buffer exists. Without overlap (Note [Serial ring]) only the step's own K/V and
+gradients are held.
 
 Note [Gradients sent as computed]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The dK/dV of a remote step travel back in the input dtype, one buffer per step. When the step
 is one kernel call over all of its key rows (every remote step of dense causal or full attention
-on the zig-zag placement), the kernel's own dK/dV results are that buffer: they are sent as they
-are, with no send slot and no copy, and die when the transfer completes. Otherwise the results
-are written into a send slot (two, alternating, as the previous step's may still be in flight);
-sums over several calls (segments, shared key rows) are made in the slot itself when it is in
-the accumulator dtype. Measured at S = 4096, H = 8, D = 64, fp32, causal, 4 ranks
-(``scripts/bench_memory.py``, docs/performance.md): the ring's peak per rank fell 3-11% (H = Hkv
-dense 29.0 -> 27.0 MiB, packed 37.8 -> 33.8 MiB).
+on the zig-zag placement), the kernel's own dK/dV results are that buffer: a point-to-point
+transport sends them as they are, with no send slot and no copy, and they die when the transfer
+completes. Otherwise the results are written into the transport's buffers (the p2p rings' send
+slots: two, alternating, as the previous step's may still be in flight; the all-gather's slot of
+``src``); sums over several calls (segments, shared key rows) are made in that buffer itself when
+it is in the accumulator dtype. The ring's peak fell 3-11% on the CPU (docs/performance.md).
 
 A grouped-query step (fewer K/V heads than query heads) on a backend whose backward expands K/V
 heads (``KernelBackend.backward_expands_kv_heads``: FlashAttention on CUDA keeps dK/dV of all
@@ -58,19 +79,18 @@ query heads while it runs, the efficient and reference kernels repeat K/V first)
 exception: a whole-step call's scratch is ``2 * group`` K/V-sized tensors over every key row, so
 its wide blocks run as two key halves into a send slot instead. In units of one K/V-sized tensor
 of the step that is ``5 + group`` at the kernel (two slots, half the scratch, half the results)
-against ``4 + 2 * group`` sent as computed: less from a group of 2. Measured on one H200 (ring 8
-of a Llama-8B-shaped stack, group 4, bf16, 40,960 tokens per rank): 8.734 GiB sent as computed,
-8.499 GiB in halves. The PyTorch CPU kernel adds each query head into its K/V head (no expanded
+against ``4 + 2 * group`` sent as computed: less from a group of 2 (measured on an H200:
+docs/performance.md). The PyTorch CPU kernel adds each query head into its K/V head (no expanded
 scratch), so on the CPU grouped steps travel as computed too.
 
 Note [Step buffers released]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A remote step's K/V buffers are read for the last time by its kernels. The backward drops its
-references to them right there, before it allocates the buffers that receive this rank's own
-dK/dV, and the swap to the next step's buffers leaves one reference, not two. Otherwise the
-step's K/V lived until the next swap: on the last step of a ring of 2 they sat next to the
-kernel's dK/dV and the receive buffers, which made that moment the layer's peak (4-layer stack,
-2 x 2, H = Hkv = 8, S = 4096, fp32: 27.06 -> 26.57 x-shards per rank, the peak back at a kernel).
+A remote step's K/V buffers are read for the last time by its kernels. The backward loop drops
+its references to them right there, before the transport allocates the buffers that receive this
+rank's own dK/dV, and transports hand a step's buffers over without keeping them, so one
+reference dies, not two. Otherwise the step's K/V lived until the next step's arrived: on the last
+step of a ring of 2 they sat next to the kernel's dK/dV and the receive buffers, which made that
+moment the layer's peak (it is back at a kernel now).
 
 Note [Own K/V released]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -78,16 +98,16 @@ A rank's own K/V are read by step 0's kernels and by the transfers that send its
 last of those has completed (the K/V of the last step have arrived, so every send before them is
 done) nothing reads them. Under Ulysses they are the head shards the backward itself received,
 so ``ulysses_ring_backward`` hands them over (``handed=[k_u, v_u]``, holding no other reference)
-and the ring empties the list there: they are freed before the remaining steps' kernels. On a
-ring of 2 that is the one remote step, the layer's peak with H == Hkv (4-layer stack, 2 x 2,
-H = Hkv = 8, S = 4096, fp32: 26.57 -> 24.57 x-shards per rank, docs/performance.md). What
-outlives them -- their shapes and dtypes, for the gradients -- is kept in storage-less tensors.
-Ring-only calls read the token shards autograd saved, which stay alive anyway.
+and the p2p transports empty the list there: they are freed before the remaining steps' kernels.
+On a ring of 2 that is the one remote step, the layer's peak with H == Hkv (docs/performance.md).
+What outlives them -- their shapes and dtypes, for the gradients -- is kept in storage-less
+tensors (:attr:`Transport.like`). Ring-only calls read the token shards autograd saved, which stay
+alive anyway; the all-gather holds them to the end of the call.
 
 Note [Serial ring]
 ~~~~~~~~~~~~~~~~~~
-``ParallelState(ring_comm="p2p_serial")`` (``RingSetup.overlap=False``) runs the same plan with
-no transfer in flight next to a kernel::
+``ParallelState(ring_comm="p2p_serial")`` (``RingSetup.overlap=False``, the :class:`SerialP2P`
+transport) runs the same plan with no transfer in flight next to a kernel::
 
     forward, step i > 0:   post K/V rows -> dst(i), K/V rows of src(i) <-; wait  ("post", i), ("wait", i)
                            compute step i's calls                                ("compute", i)
@@ -101,10 +121,9 @@ step's K/V and the kernel's results. The overlapped schedule also holds the next
 the previous step's dK/dV both ways, with H == Hkv about four shards of K/V more at the
 backward's peak. The price is time: no transfer hides behind a kernel, so a step lasts its
 compute plus its transfers (the planner prices it so, ``seqpar.plan(ring_comm="p2p_serial")``).
-The messages between two ranks come in another order than the overlapped schedule's, so every
-rank must run the same transport: it is part of the call signature ``checks`` compares. Results
-are bitwise those of ``"p2p"`` (the same kernels, summed in the same order). Measured figures:
-docs/performance.md, "The serial ring".
+The messages between two ranks come in another order than the overlapped schedule's (Note [Ring
+transports]). Results are bitwise those of ``"p2p"`` (the same kernels, summed in the same
+order). Measured figures: docs/performance.md, "The serial ring".
 """
 
 from __future__ import annotations
@@ -117,11 +136,11 @@ from torch import Tensor
 from ..backends.base import KernelBackend, Packing
 from ..comm import Group, Workspace, post
 from ..placement.ring import (
-    BlockCall, RingPlan, SegmentCall, is_single_block, sent_as_computed, split_wide_blocks, sums_keys,
+    BlockCall, RingPlan, SegmentCall, Step, is_single_block, sent_as_computed, split_wide_blocks, sums_keys,
 )
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
-__all__ = ["RingSetup", "ring_forward", "ring_backward"]
+__all__ = ["RingSetup", "Transport", "P2P", "SerialP2P", "extra_block", "ring_forward", "ring_backward"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,9 +153,10 @@ class RingSetup:
         alibi: ``[H]`` ALiBi slopes of this rank's query heads (Note [ALiBi blocks]), or None;
         workspace: reused transfer buffers (Note [Workspace]), or None to allocate per call;
         trace: a list to record the schedule's events in (tests), or None;
-        overlap: ``True``: each step's transfers overlap another step's kernels (Note [Ring
-            schedule]); ``False``: they complete before the step's kernels run and its gradients
-            arrive before the next step starts (Note [Serial ring], ``ring_comm="p2p_serial"``).
+        overlap: the point-to-point transport: ``True`` :class:`P2P` (each step's transfers
+            overlap another step's kernels, Note [Ring schedule]); ``False`` :class:`SerialP2P`
+            (they complete before the step's kernels run, Note [Serial ring],
+            ``ring_comm="p2p_serial"``).
     """
 
     group: Group
@@ -148,6 +168,10 @@ class RingSetup:
     trace: list | None = None
     alibi: Tensor | None = None
     overlap: bool = True
+
+    def transport(self) -> Transport:
+        """A fresh point-to-point transport for one forward or backward (:attr:`overlap`)."""
+        return P2P(self) if self.overlap else SerialP2P(self)
 
 
 def _alibi(run: RingSetup, call) -> dict:
@@ -341,23 +365,21 @@ def _extra_grads(run: RingSetup, dout, q, extra_k, extra_v, out, lse, dq: _Accum
     return dextra
 
 
-def _remote_grads(run: RingSetup, slot: int, like: tuple[Tensor, Tensor], kv_len: int, calls, dout, q, k, v,
-                  out, lse, dq: _Accumulator, cache: dict) -> tuple[Tensor, Tensor]:
-    """dQ of the calls on a remote rank's K/V rows (``k``, ``v``: that step's compact buffers,
-    ``kv_len`` rows, None when the step reads none) into ``dq``; returns their dK/dV in the dtype
-    of ``like`` (this rank's own k, v), to be sent back (Note [Gradients sent as computed]).
-    ``slot``: the step's send slot (0 or 1), alternated for the buffers a kept workspace would
-    reuse while the previous step's are in flight."""
-    k_own, v_own = like
-    expanded = run.backend.backward_expands_kv_heads and q.shape[2] > k_own.shape[2]
-    if sent_as_computed(calls, kv_len, expanded=expanded):
+def _remote_grads(run: RingSetup, t: Transport, i: int, dout, q, k, v, out, lse, dq: _Accumulator,
+                  cache: dict) -> tuple[Tensor, Tensor]:
+    """dQ of step ``i``'s calls on a remote rank's K/V rows (``k``, ``v``: that step's compact
+    buffers) into ``dq``; returns their dK/dV in the dtype of this rank's own k, v, to be sent
+    back by ``t`` (Note [Gradients sent as computed]): the kernel's own results where the step is
+    one call over every row and ``t`` sends them as they are, else ``t``'s buffers, written."""
+    step = run.plan.steps[i]
+    expanded = run.backend.backward_expands_kv_heads and q.shape[2] > t.like[0].shape[2]
+    if t.sends_kernel_results and sent_as_computed(step.calls, step.kv_len, expanded=expanded):
         # One kernel call whose results are every row: they travel as they are.
-        rows, _, g_q, g_k, g_v = _call_backward(run, calls[0], dout, q, k, v, out, lse, cache)
+        rows, _, g_q, g_k, g_v = _call_backward(run, step.calls[0], dout, q, k, v, out, lse, cache)
         dq.add(rows, g_q)
         return g_k, g_v
-    gk = _buffer(run, f"ring.send_grad_k.{slot}", (k_own.shape[0], kv_len, *k_own.shape[2:]), k_own, k_own.dtype)
-    gv = _buffer(run, f"ring.send_grad_v.{slot}", (v_own.shape[0], kv_len, *v_own.shape[2:]), v_own, v_own.dtype)
-    _remote_grads_into(run, calls, dout, q, k, v, out, lse, dq, gk, gv, cache)
+    gk, gv = t.grad_buffers(i)
+    _remote_grads_into(run, step.calls, dout, q, k, v, out, lse, dq, gk, gv, cache)
     return gk, gv
 
 
@@ -397,39 +419,191 @@ def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accu
         gv.copy_(sum_v)
 
 
-def _post_kv(run: RingSetup, step, k: Tensor, v: Tensor, slot: int):
-    """Post step ``step``'s K/V transfers; return ``(pending, k_buffer, v_buffer)``."""
+class Transport:
+    """How the K/V of each ring step reach this rank and their dK/dV go home (Note [Ring
+    transports]); one object per forward or backward, started by the loop with this rank's K/V.
+
+    A subclass implements :meth:`kv` and, for the backward, :meth:`grad_buffers`,
+    :meth:`send_grads` and :meth:`collect`; the steps are called in order ``0 .. R-1``, each
+    once. ``sends_kernel_results``: whether a step's dK/dV may be sent as the kernel returned them
+    (Note [Gradients sent as computed]) instead of being written into :meth:`grad_buffers`.
+    """
+
+    sends_kernel_results = True
+
+    def __init__(self, run: RingSetup) -> None:
+        self.run = run
+        self.steps = run.plan.steps
+
+    def start(self, k: Tensor, v: Tensor, handed: list[Tensor] | None = None) -> None:
+        """Take this rank's K/V (``[B, L, Hkv, D]`` / ``[..., Dv]``); ``handed``: the caller's
+        list ``[k, v]``, which the transport may empty once nothing reads them (Note [Own K/V
+        released])."""
+        self.k, self.v, self.handed = k, v, handed
+        # Shapes, dtypes and device of k, v without their storage, for what outlives them.
+        self.like = (k.new_empty((k.shape[0], 0, *k.shape[2:])), v.new_empty((v.shape[0], 0, *v.shape[2:])))
+
+    def kv(self, i: int) -> tuple[Tensor | None, Tensor | None]:
+        """Step ``i``'s K/V, ready to read: this rank's own at ``i = 0``, else the compact
+        ``[B, kv_len, ...]`` buffers of ``steps[i].recv_rows`` (None where the step reads none).
+        The transport keeps no reference to them (Note [Step buffers released])."""
+        raise NotImplementedError
+
+    def grad_buffers(self, i: int) -> tuple[Tensor, Tensor]:
+        """Where step ``i``'s dK/dV of ``src``'s rows are written: ``[B, kv_len, ...]`` each, in the
+        dtype of this rank's k, v."""
+        raise NotImplementedError
+
+    def send_grads(self, i: int, gk: Tensor | None, gv: Tensor | None, dk, dv) -> None:
+        """Step ``i``'s dK/dV (None: the step read nothing) go towards ``src``; the own rows'
+        dK/dV that have arrived are added into the accumulators ``dk``, ``dv``."""
+        raise NotImplementedError
+
+    def collect(self, dk, dv) -> None:
+        """After the last step: every transfer completed, the own rows' dK/dV added home."""
+        raise NotImplementedError
+
+    def buffer(self, role: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
+        """A transfer buffer of the call's workspace (Note [Workspace])."""
+        return _buffer(self.run, role, shape, like, dtype)
+
+    def record(self, event: str, step: int) -> None:
+        """An event of the schedule, for tests (``RingSetup.trace``)."""
+        _record(self.run, event, step)
+
+    @staticmethod
+    def add_rows(dk, dv, gk: Tensor, gv: Tensor, ranges: tuple[tuple[int, int], ...]) -> None:
+        """Add received ``gk``/``gv`` (the rows ``ranges`` of this rank's K/V, compacted) into
+        ``dk``/``dv``; they are transfer buffers, reused, so the accumulators copy them."""
+        off = 0
+        for a, b in ranges:
+            rows = slice(a, b)
+            dk.add(rows, gk[:, off:off + b - a], owned=False)
+            dv.add(rows, gv[:, off:off + b - a], owned=False)
+            off += b - a
+
+
+def _post_kv(t: Transport, step: Step, slot: int):
+    """Post ``step``'s K/V transfers of this rank's K/V; return ``(pending, k_buffer, v_buffer)``."""
+    k, v = t.k, t.v
     sends = []
     if step.send_rows:
         # One staging slot suffices: a step's sends complete before the next step posts.
         sends = [
-            (step.dst, _rows(run, "ring.send_k", k, step.send_rows)),
-            (step.dst, _rows(run, "ring.send_v", v, step.send_rows)),
+            (step.dst, _rows(t.run, "ring.send_k", k, step.send_rows)),
+            (step.dst, _rows(t.run, "ring.send_v", v, step.send_rows)),
         ]
     k_in = v_in = None
     recvs = []
     if step.recv_rows:
-        k_in = _buffer(run, f"ring.k.{slot % 2}", (k.shape[0], step.kv_len, *k.shape[2:]), k, k.dtype)
-        v_in = _buffer(run, f"ring.v.{slot % 2}", (v.shape[0], step.kv_len, *v.shape[2:]), v, v.dtype)
+        k_in = t.buffer(f"ring.k.{slot % 2}", (k.shape[0], step.kv_len, *k.shape[2:]), k, k.dtype)
+        v_in = t.buffer(f"ring.v.{slot % 2}", (v.shape[0], step.kv_len, *v.shape[2:]), v, v.dtype)
         recvs = [(step.src, k_in), (step.src, v_in)]
-    return post(run.group, sends, recvs), k_in, v_in
+    return post(t.run.group, sends, recvs), k_in, v_in
 
 
-def _serial_kv(run: RingSetup, step, k: Tensor, v: Tensor, i: int) -> tuple[Tensor | None, Tensor | None]:
-    """Step ``i``'s K/V without overlap (Note [Serial ring]): its transfers posted and waited
-    for; the staging copy of the rows sent dies on return."""
-    pending, k_in, v_in = _post_kv(run, step, k, v, 0)
-    _record(run, "post", i)
-    pending.wait()
-    _record(run, "wait", i)
-    return k_in, v_in
+class P2P(Transport):
+    """One hop per ring step, overlapping the kernels (Note [Ring schedule]): step ``i + 1``'s
+    K/V travel while step ``i`` computes, step ``i``'s dK/dV while step ``i + 1`` does."""
+
+    def start(self, k: Tensor, v: Tensor, handed: list[Tensor] | None = None) -> None:
+        super().start(k, v, handed)
+        self.next = None  # (pending, k, v) of the step in flight
+        self.grads_in = None  # (pending, dk rows, dv rows, ranges) of the own rows' dK/dV in flight
+
+    def kv(self, i: int) -> tuple[Tensor | None, Tensor | None]:
+        kv = self.k, self.v
+        if i:
+            pending, k_i, v_i = self.next
+            self.next = None
+            pending.wait()
+            self.record("wait", i)
+            self._release_own(i)
+            kv = k_i, v_i
+        if i + 1 < len(self.steps):
+            self.next = _post_kv(self, self.steps[i + 1], i + 1)
+            self.record("post", i + 1)
+        return kv
+
+    def _release_own(self, i: int) -> None:
+        """After step ``i``'s K/V arrived: the own K/V go if they were sent for the last time."""
+        if i == len(self.steps) - 1 and self.handed is not None:
+            self.k = self.v = None
+            self.handed.clear()
+
+    def _slot(self, i: int) -> int:
+        # Alternated: the previous step's send slot may still be in flight.
+        return i % 2
+
+    def grad_buffers(self, i: int) -> tuple[Tensor, Tensor]:
+        (k_like, v_like), n, slot = self.like, self.steps[i].kv_len, self._slot(i)
+        gk = self.buffer(f"ring.send_grad_k.{slot}", (k_like.shape[0], n, *k_like.shape[2:]), k_like, k_like.dtype)
+        gv = self.buffer(f"ring.send_grad_v.{slot}", (v_like.shape[0], n, *v_like.shape[2:]), v_like, v_like.dtype)
+        return gk, gv
+
+    def send_grads(self, i: int, gk: Tensor | None, gv: Tensor | None, dk, dv) -> None:
+        # The previous step's gradients have arrived by now (their transfer overlapped this
+        # step's compute): add them home, which frees the receive slot reused below.
+        if self.grads_in is not None:
+            self._add_home(dk, dv)
+            self.record("wait_grad", i - 1)
+        self._post_grads(i, gk, gv)
+
+    def _post_grads(self, i: int, gk: Tensor | None, gv: Tensor | None) -> None:
+        """Post ``gk``/``gv`` -> src(i) and the own rows' dK/dV <- dst(i)."""
+        step = self.steps[i]
+        sends = [(step.src, gk), (step.src, gv)] if step.recv_rows else []
+        recvs, hk, hv = [], None, None
+        if step.send_rows:
+            rows_home = sum(b - a for a, b in step.send_rows)
+            k_like, v_like = self.like
+            hk = self.buffer("ring.grad_k", (k_like.shape[0], rows_home, *k_like.shape[2:]), k_like, k_like.dtype)
+            hv = self.buffer("ring.grad_v", (v_like.shape[0], rows_home, *v_like.shape[2:]), v_like, v_like.dtype)
+            recvs = [(step.dst, hk), (step.dst, hv)]
+        self.grads_in = (post(self.run.group, sends, recvs), hk, hv, step.send_rows)
+        self.record("post_grad", i)
+
+    def _add_home(self, dk, dv) -> None:
+        pending, hk, hv, ranges = self.grads_in
+        self.grads_in = None
+        pending.wait()
+        self.add_rows(dk, dv, hk, hv, ranges)
+
+    def collect(self, dk, dv) -> None:
+        if self.grads_in is not None:
+            self._add_home(dk, dv)
+            self.record("wait_grad", len(self.steps) - 1)
+
+
+class SerialP2P(P2P):
+    """The hops of :class:`P2P`, each completed before its step's kernels run and its gradients
+    home before the next step starts (Note [Serial ring]): no transfer next to a kernel."""
+
+    def kv(self, i: int) -> tuple[Tensor | None, Tensor | None]:
+        if not i:
+            return self.k, self.v
+        # The staging copy of the rows sent dies on return.
+        pending, k_i, v_i = _post_kv(self, self.steps[i], 0)
+        self.record("post", i)
+        pending.wait()
+        self.record("wait", i)
+        self._release_own(i)
+        return k_i, v_i
+
+    def _slot(self, i: int) -> int:
+        return 0
+
+    def send_grads(self, i: int, gk: Tensor | None, gv: Tensor | None, dk, dv) -> None:
+        self._post_grads(i, gk, gv)
+        self._add_home(dk, dv)
+        self.record("wait_grad", i)
 
 
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, run: RingSetup,
+    extra_v: Tensor | None, run: RingSetup, transport: Transport | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Ring attention forward on ring-local buffers (see Note [Ring schedule]); no autograd.
+    """Ring attention forward on ring-local buffers (Note [Ring transports]); no autograd.
 
     Args:
         q: ``[B, L, H, D]`` this ring rank's queries (packed: ``B = 1``).
@@ -438,160 +612,100 @@ def ring_forward(
         sinks: ``[H]`` sink logits or None.
         extra_k, extra_v: ``[B, P, Hkv, D]`` / ``[B, P, Hkv, Dv]`` local keys every query
             attends (or None).
+        run: the ring's setup; transport: how K/V travel (default ``run.transport()``).
 
     Returns:
         ``out`` ``[B, L, H, Dv]`` in q's dtype and ``lse`` ``[B, H, L]`` in the accumulator dtype.
     """
-    steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
-    B, L, H, _ = q.shape
-    out_shape = (B, L, H, v.shape[-1])
     if _single_block(run, q, k, extra_k):  # one process, or one Ulysses-inner step: the kernel alone
-        call = steps[0].calls[0]
+        call = run.plan.steps[0].calls[0]
         out, lse = run.backend.kernel_forward(
             q, k, v, scale=run.scale, window=call.window, softcap=run.softcap, **_alibi(run, call)
         )
         if sinks is not None:
             out, lse = add_sinks(out, lse.to(acc), sinks)
         return out, lse.to(acc)
-    result = _Output(q, out_shape)
+    t = transport or run.transport()
+    t.start(k, v)
+    result = _Output(q, (*q.shape[:3], v.shape[-1]))
     cache: dict = {}
-    k_cur, v_cur = k, v
-    for i, step in enumerate(steps):
-        pending = None
-        if not run.overlap:
-            if i:
-                k_cur = v_cur = None  # the previous step's buffers go before this step's arrive
-                k_cur, v_cur = _serial_kv(run, step, k, v, i)
-        elif i + 1 < len(steps):
-            pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
-            _record(run, "post", i + 1)
-        _record(run, "compute", i)
+    for i, step in enumerate(run.plan.steps):
+        k_i, v_i = t.kv(i)
+        t.record("compute", i)
         for call in step.calls:
-            result.add(*_call_forward(run, call, q, k_cur, v_cur, cache))  # block results die here
+            result.add(*_call_forward(run, call, q, k_i, v_i, cache))  # block results die here
         if i == 0 and (call := extra_block(q, extra_k)) is not None:
             result.add(*_call_forward(run, call, q, extra_k, extra_v, cache))
-        if pending is not None:
-            pending.wait()
-            _record(run, "wait", i + 1)
-            k_cur, v_cur = k_next, v_next
-    pending = k_cur = v_cur = k_next = v_next = None  # dead transfer buffers, freed before the cast
+        k_i = v_i = None  # dead transfer buffers, freed before the next step's or the cast
     return result.result(sinks)
 
 
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, extra_k: Tensor | None,
     extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup, handed: list[Tensor] | None = None,
+    transport: Transport | None = None,
 ) -> tuple[Tensor | None, ...]:
-    """Ring attention backward (see Note [Ring schedule]); no autograd.
+    """Ring attention backward (Note [Ring transports]); no autograd.
 
     Gradients of a remote rank's rows travel back in the input dtype (each is one rank's sum of
     its kernel results, rounded once); every rank sums what it receives for its own rows in the
     accumulator dtype.
 
     ``handed``: instead of ``k, v`` (None then), the list ``[k, v]`` of a caller that holds no
-    other reference to them; the backward empties it once their last transfer has completed, so
-    that they are freed before the remaining steps' kernels (Note [Own K/V released]).
+    other reference to them; the transport may empty it once their last transfer has completed,
+    so that they are freed before the remaining steps' kernels (Note [Own K/V released]).
+    ``transport``: how K/V and gradients travel (default ``run.transport()``).
 
     Returns:
         ``dq, dk, dv, dsinks, dextra_k, dextra_v`` (None where the input is None); ``dk``/``dv``
         are the gradients of this rank's own K/V summed over every rank's queries.
     """
-    steps = run.plan.steps
     acc = accumulator_dtype(q.dtype)
     if handed is not None:
         k, v = handed
     if _single_block(run, q, k, extra_k):
-        call = steps[0].calls[0]
+        call = run.plan.steps[0].calls[0]
         dq, dk, dv = run.backend.kernel_backward(
             dout, q, k, v, out, lse, scale=run.scale, window=call.window, softcap=run.softcap,
             **_alibi(run, call),
         )
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
         return dq, dk, dv, dsinks, None, None
+    # First, while no step buffer exists: its [B, L, H] product is the size of the output.
+    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
     dq = _Accumulator(q.shape, acc, q.device)
     dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
-    # Shapes, dtypes and device of k, v without their storage, for what outlives them.
-    like = (k.new_empty((k.shape[0], 0, *k.shape[2:])), v.new_empty((v.shape[0], 0, *v.shape[2:])))
-    last = len(steps) - 1
+    t = transport or run.transport()
+    t.start(k, v, handed)
+    k = v = None  # the transport holds them for as long as it sends them (Note [Own K/V released])
     cache: dict = {}
-    grads_in: tuple | None = None  # (pending, dk rows, dv rows, ranges) of the previous step
-
-    def add_home(grads) -> None:
-        pending, gk, gv, ranges = grads
-        pending.wait()
-        off = 0
-        for a, b in ranges:
-            rows = slice(a, b)
-            dk.add(rows, gk[:, off:off + b - a], owned=False)  # transfer buffers are reused
-            dv.add(rows, gv[:, off:off + b - a], owned=False)
-            off += b - a
-
-    k_cur, v_cur = k, v
     dextra = None
-    for i, step in enumerate(steps):
-        pending = None
-        if not run.overlap:
-            if i:
-                k_cur = v_cur = None  # the previous step's buffers go before this step's arrive
-                k_cur, v_cur = _serial_kv(run, step, k, v, i)
-                if i == last and handed is not None:  # own K/V sent for the last time
-                    k = v = None
-                    handed.clear()
-        elif i + 1 < len(steps):
-            pending, k_next, v_next = _post_kv(run, steps[i + 1], k, v, i + 1)
-            _record(run, "post", i + 1)
-        _record(run, "compute", i)
+    for i, step in enumerate(run.plan.steps):
+        k_i, v_i = t.kv(i)
+        t.record("compute", i)
         if i == 0:
-            _local_grads(run, step.calls, dout, q, k_cur, v_cur, out, lse, dq, dk, dv, cache)
+            _local_grads(run, step.calls, dout, q, k_i, v_i, out, lse, dq, dk, dv, cache)
             dextra = _extra_grads(run, dout, q, extra_k, extra_v, out, lse, dq, cache)
-        else:
-            # The gradients of src's rows go back to src in q's dtype (the previous step's may
-            # still be in flight).
-            send_k, send_v = _remote_grads(
-                run, i % 2 if run.overlap else 0, like, step.kv_len, step.calls, dout, q, k_cur, v_cur, out,
-                lse, dq, cache,
-            )
-            # This step's K/V are read for the last time: free their slot before the receive
-            # buffers below are allocated (Note [Step buffers released]).
-            k_cur = v_cur = None
-            # The previous step's gradients have arrived by now (their transfer overlapped this
-            # step's compute): add them home, which frees the receive slot.
-            if grads_in is not None:
-                add_home(grads_in)
-                _record(run, "wait_grad", i - 1)
-            sends = [(step.src, send_k), (step.src, send_v)] if step.recv_rows else []
-            recvs, gk, gv = [], None, None
-            if step.send_rows:
-                rows_home = sum(b - a for a, b in step.send_rows)
-                k_like, v_like = like
-                gk = _buffer(run, "ring.grad_k", (k_like.shape[0], rows_home, *k_like.shape[2:]), k_like, k_like.dtype)
-                gv = _buffer(run, "ring.grad_v", (v_like.shape[0], rows_home, *v_like.shape[2:]), v_like, v_like.dtype)
-                recvs = [(step.dst, gk), (step.dst, gv)]
-            grads_in = (post(run.group, sends, recvs), gk, gv, step.send_rows)
-            _record(run, "post_grad", i)
-            if not run.overlap:  # this step's gradients home before the next step's K/V arrive
-                add_home(grads_in)
-                _record(run, "wait_grad", i)
-                grads_in = sends = recvs = send_k = send_v = gk = gv = None
-        if pending is not None:
-            pending.wait()
-            _record(run, "wait", i + 1)
-            k_cur, v_cur, k_next, v_next = k_next, v_next, None, None
-            if i + 1 == last and handed is not None:  # own K/V sent for the last time, step 0 done
-                pending = k = v = None
-                handed.clear()
-    if grads_in is not None:
-        add_home(grads_in)
-        _record(run, "wait_grad", len(steps) - 1)
-    # Every transfer buffer is dead now: drop the last references before the casts below allocate
-    # the results (Note [Workspace]: fresh buffers are freed when their last user drops them).
-    grads_in = pending = sends = recvs = k_cur = v_cur = k_next = v_next = send_k = send_v = gk = gv = None
-    dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+            k_i = v_i = None
+            continue
+        gk = gv = None
+        if step.calls:
+            gk, gv = _remote_grads(run, t, i, dout, q, k_i, v_i, out, lse, dq, cache)
+        # This step's K/V are read for the last time: free them before the transport allocates
+        # the buffers that receive this rank's own dK/dV (Note [Step buffers released]).
+        k_i = v_i = None
+        t.send_grads(i, gk, gv, dk, dv)
+        gk = gv = None
+    t.collect(dk, dv)
+    # Every transfer buffer is dead now (Note [Workspace]: fresh buffers are freed when their
+    # last user drops them); each accumulator lets go of its sum as it is cast.
+    like_k, like_v = t.like
+    t = None
     dek = dev = None
     if dextra is not None:
         dek, dev = dextra[0].take(extra_k.dtype), dextra[1].take(extra_v.dtype)
-    return dq.take(q.dtype), dk.take(like[0].dtype), dv.take(like[1].dtype), dsinks, dek, dev
+    return dq.take(q.dtype), dk.take(like_k.dtype), dv.take(like_v.dtype), dsinks, dek, dev
 
 
 def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
