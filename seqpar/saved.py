@@ -31,8 +31,9 @@ token shards would go there too (measured on one rank of 1 x 4, four checkpointe
 ``scripts/bench_memory.py``'s stack, Hkv = 2: peak 13.53 -> 11.03 token shards of x). It does
 not, for now: with the attention moment that much lower, the peak of a checkpointed model is
 another moment at short lengths and this one at long lengths, which bends the line that
-``scripts/bench_longest.py`` fits and extrapolates (its tiny 2 x 2 validation measured 9% above
-the line at 2.5 times the fitted lengths). The memory model has to follow that change first.
+``scripts/bench_longest.py`` fits and extrapolates (its tiny 2 x 2 validation ran over the line at
+2.5 times the fitted lengths: ``docs/performance.md``, "Memory per rank"). The memory model has
+to follow that change first.
 
 Modifying a saved tensor in place between the forward and the backward raises, as autograd's own
 check does (the versions are compared at unpacking).
