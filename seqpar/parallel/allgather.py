@@ -129,8 +129,11 @@ class AllGather(Transport):
         step = self.steps[i]
         kv = None, None
         if step.calls:
-            kv = (self._step_rows(i, self.k_all[step.src], "allgather.step_k"),
-                  self._step_rows(i, self.v_all[step.src], "allgather.step_v"))
+            # A view where the step's rows are one range of the slot (the kernels take strided
+            # K/V), else a copy.
+            ranges = self.gather.steps[i]
+            kv = (self.rows("allgather.step_k", self.k_all[step.src], ranges, contiguous=False),
+                  self.rows("allgather.step_v", self.v_all[step.src], ranges, contiguous=False))
         if i == len(self.steps) - 1:  # read for the last time by this step's kernels
             self.k_all = self.v_all = None
         return kv
@@ -150,20 +153,6 @@ class AllGather(Transport):
         gathered = self.buffer("allgather.kv", (g.ring_size, nk + nv), k, k.dtype)
         self.pending = start_all_gather(gathered.view(-1), part, self.run.group)
         self.k_all, self.v_all = self._slots(gathered)
-
-    def _step_rows(self, i: int, slot: Tensor, role: str) -> Tensor:
-        """Step ``i``'s compact buffer ``[B, kv_len, ...]`` from its slot: a view when its rows are
-        one range there, else a copy into a workspace buffer."""
-        ranges = self.gather.steps[i]
-        if len(ranges) == 1:
-            a, b = ranges[0]
-            return slot[:, a:b]
-        out = self.buffer(role, (slot.shape[0], self.steps[i].kv_len, *slot.shape[2:]), slot, slot.dtype)
-        off = 0
-        for a, b in ranges:
-            out[:, off:off + b - a].copy_(slot[:, a:b])
-            off += b - a
-        return out
 
     def _grad_slots(self) -> tuple[Tensor, Tensor, Tensor]:
         """The dK/dV slots shaped like the gathered buffer; slots (and rows) no step writes stay zero."""

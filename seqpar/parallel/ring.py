@@ -191,13 +191,16 @@ def _buffer(run: RingSetup, role: str, shape: tuple[int, ...], like: Tensor, dty
     return run.workspace.get(role, shape, dtype, like.device)
 
 
-def _rows(run: RingSetup, role: str, x: Tensor, ranges: tuple[tuple[int, int], ...]) -> Tensor:
-    """The rows ``ranges`` of ``x`` ``[B, L, ...]``, contiguous: a view when they already are one,
-    else gathered into a transfer buffer."""
+def _rows(
+    run: RingSetup, role: str, x: Tensor, ranges: tuple[tuple[int, int], ...], contiguous: bool = True,
+) -> Tensor:
+    """The rows ``ranges`` of ``x`` ``[B, L, ...]`` as one tensor: a view when they are one range
+    (and, with ``contiguous``, a send buffer's need, contiguous), else gathered into a transfer
+    buffer."""
     if len(ranges) == 1:
         a, b = ranges[0]
         view = x[:, a:b]
-        if view.is_contiguous():
+        if not contiguous or view.is_contiguous():
             return view
     out = _buffer(run, role, (x.shape[0], sum(b - a for a, b in ranges), *x.shape[2:]), x, x.dtype)
     off = 0
@@ -466,6 +469,11 @@ class Transport:
     def buffer(self, role: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype) -> Tensor:
         """A transfer buffer of the call's workspace (Note [Workspace])."""
         return _buffer(self.run, role, shape, like, dtype)
+
+    def rows(self, role: str, x: Tensor, ranges: tuple[tuple[int, int], ...], contiguous: bool = True) -> Tensor:
+        """The rows ``ranges`` of ``x`` as one tensor: a view where they are one range (and
+        contiguous, if asked), else a copy in a transfer buffer of ``role``."""
+        return _rows(self.run, role, x, ranges, contiguous)
 
     def record(self, event: str, step: int) -> None:
         """An event of the schedule, for tests (``RingSetup.trace``)."""
