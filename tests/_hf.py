@@ -143,20 +143,22 @@ def check_cache_and_packed_refused(calls: dict[str, tuple[str, str]], where: tup
         assert kind == "NotImplementedError" and want in message, (*where, what, kind, message)
 
 
-def check_modes(worlds, per_rank, tol: float, float32_tol: float) -> None:
+def check_modes(worlds, per_rank, tol: float, float32_tol: float, family_tol: dict[str, float] | None = None) -> None:
     """Per rank and world of a run in both mixing modes, ``(errors, between, ran, _)``: every
-    ``(family, mode)`` within ``tol`` of one device (its float32-computed gradients within
-    ``float32_tol``), with every adapted mixer running that mode, and the two modes as close to
-    each other."""
+    ``(family, mode)`` within ``tol`` (``family_tol[family]`` where given) of one device (its
+    float32-computed gradients within ``float32_tol``), with every adapted mixer running that mode,
+    and the two modes as close to each other."""
+    family_tol = family_tol or {}
     for rank, results in enumerate(per_rank):
         for (ring, ulysses), (errors, between, ran, _) in zip(worlds, results):
             for (family, mode), err in errors.items():
                 where = (f"{ring}x{ulysses}", rank, family, mode)
-                assert err["logits"] < tol and err["grad"] < tol and err.get("grad32", 0) < float32_tol, (where, err)
+                t = family_tol.get(family, tol)
+                assert err["logits"] < t and err["grad"] < t and err.get("grad32", 0) < float32_tol, (where, err)
                 assert ran[family, mode] == {mode}, (where, ran[family, mode])  # every adapted mixer ran it
             for family, err in between.items():  # and the two modes agree with each other
-                where = (f"{ring}x{ulysses}", rank, family)
-                assert err["logits"] < tol and err["grad"] < tol and err.get("grad32", 0) < float32_tol, (where, err)
+                where, t = (f"{ring}x{ulysses}", rank, family), family_tol.get(family, tol)
+                assert err["logits"] < t and err["grad"] < t and err.get("grad32", 0) < float32_tol, (where, err)
 
 
 def each_world(worlds, run, timeout_s: float | None = 60.0) -> list:
@@ -289,9 +291,9 @@ def delta_rule_float64(query, key, value, g, beta, chunk_size=64, initial_state=
     outs = []
     for t in range(length):
         h = h * g[:, t].exp()[..., None, None]
-        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
+        delta = beta[:, t, :, None] * (v[:, t] - (h * k[:, t, :, :, None]).sum(-2))
         h = h + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", h, q[:, t]))
+        outs.append((h * q[:, t, :, :, None]).sum(-2))
     out = torch.stack(outs, 1) if outs else v.new_zeros(batch, 0, heads, v.shape[-1])
     return out.to(query.dtype), (h if output_final_state else None)
 
@@ -300,9 +302,21 @@ def float64_delta_rule(default_dtype: torch.dtype | None = None):
     """transformers' torch fallback of the gated delta rule computes in float32 whatever the model's
     dtype (and pads to its chunk size, so a sequence's float32 rounding depends on what follows
     it): Qwen3-Next's, Qwen3.5's and OLMo Hybrid's modeling files get ``delta_rule_float64``
-    (``patched``)."""
-    files = [modeling(name) for name in ("qwen3_next", "qwen3_5", "olmo_hybrid")]
-    return patched([(m, "torch_chunk_gated_delta_rule", delta_rule_float64) for m in files], default_dtype)
+    (``patched``), and their norms, which round to float32 too, float64 versions: a float64
+    elementwise op over another token count (a shard, one sequence of a packed batch) may differ in
+    the last bit on some CPUs (measured on an AVX-512 Xeon: the decay g, the conv output), and a float32 rounding
+    after it can then flip (~1e-7 at the logits)."""
+    next_, qwen3_5, olmo = (modeling(name) for name in ("qwen3_next", "qwen3_5", "olmo_hybrid"))
+    patches = [(m, "torch_chunk_gated_delta_rule", delta_rule_float64) for m in (next_, qwen3_5, olmo)]
+    patches += [
+        (next_.Qwen3NextRMSNorm, "forward", _offset_rms_norm_float64),
+        (next_.Qwen3NextRMSNormGated, "forward", _gated_norm_float64),
+        (qwen3_5.Qwen3_5RMSNorm, "forward", _offset_rms_norm_float64),
+        (qwen3_5.Qwen3_5RMSNormGated, "forward", _gated_norm_float64),
+        (olmo.OlmoHybridRMSNorm, "forward", _rms_norm_float64),
+        (olmo.OlmoHybridRMSNormGated, "forward", _gated_norm_float64),
+    ]
+    return patched(patches, default_dtype)
 
 
 def ssd_float64(hidden_states, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -378,6 +392,11 @@ def kda_float64(query, key, value, g, beta, chunk_size=64, initial_state=None, o
 def _rms_norm_float64(self, hidden_states):
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _offset_rms_norm_float64(self, x):
+    """Qwen3-Next's and Qwen3.5's RMSNorm (a zero-initialised weight, applied as ``1 + weight``)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
 def _gated_norm_float64(self, hidden_states, gate=None):

@@ -37,6 +37,11 @@ from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # no
 
 TOL = 1e-10  # float64
 FLOAT32_TOL = 1e-6
+# Bailing keeps float32 roundings inline in its modeling code (its attention output gate
+# ``sigmoid(g_proj(x).float())``, its router's logits), not patched here: after a float64 op that
+# differs in the last bit over another token count (some CPUs, e.g. AVX-512 Xeons), they flip.
+# Measured on such a machine, head-parallel: logits 6.9e-9, gradients 3.0e-10.
+FAMILY_TOL = {"bailing_hybrid": 1e-7}
 MODES = ("head_parallel", "state_passing")
 MAMBA2 = ("bamba", "nemotron_h", "granitemoehybrid", "zamba2", "falcon_h1", "mamba2")
 KDA = ("kimi_linear", "bailing_hybrid")
@@ -172,7 +177,7 @@ def test_ssm_modes_exact_and_equal_2x2(pools):
     worlds = [(2, 2)]
     cases = [(f, {}) for f in QUICK] + list(FEW_HEADS.items())
     per_rank = pools(4).run(_run, worlds, QUICK, _references(cases), True)
-    check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
+    check_modes(worlds, per_rank, TOL, FLOAT32_TOL, FAMILY_TOL)
     _check_auto(per_rank)
 
 
@@ -185,4 +190,4 @@ def test_ssm_modes_exact_and_equal_2x2(pools):
 def test_ssm_modes_exact_and_equal_on_shards(pools, worlds, families):
     size = worlds[0][0] * worlds[0][1]
     per_rank = pools(size).run(_run, worlds, families, _references([(f, {}) for f in families]), False)
-    check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
+    check_modes(worlds, per_rank, TOL, FLOAT32_TOL, FAMILY_TOL)
