@@ -33,7 +33,6 @@ from seqpar import shard  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import choose_mode, install, mixing_modes  # noqa: E402
 from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 
 TOL = 1e-10  # float64
 # Computed by the modeling code through float32 (Qwen's RMSNorm weights, the decay's A_log.float()):
@@ -154,20 +153,19 @@ def _check_auto(per_rank):
 
 
 @pytest.mark.slow
-def test_modes_exact_and_equal_2x2():
+def test_modes_exact_and_equal_2x2(short_pools):
     worlds = [(2, 2)]
-    with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_run, worlds, _references([*FAMILIES, FEW_HEADS]), True)
+    # the short-timeout pool: a rank left waiting fails the test in seconds
+    per_rank = short_pools(4).run(_run, worlds, _references([*FAMILIES, FEW_HEADS]), True)
     check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
     _check_auto(per_rank)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worlds", [[(3, 1)], [(1, 4)]], ids=["3x1", "1x4"])
-def test_modes_exact_and_equal_on_shards(worlds):
+def test_modes_exact_and_equal_on_shards(short_pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    with DistPool(size, timeout_s=60) as pool:
-        per_rank = pool.run(_run, worlds, _references(FAMILIES), False)
+    per_rank = short_pools(size).run(_run, worlds, _references(FAMILIES), False)
     check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
 
 

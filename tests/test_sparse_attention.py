@@ -24,7 +24,6 @@ from _hf import (  # noqa: E402
 from seqpar import ParallelState  # noqa: E402
 from seqpar.integrations.transformers import register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 from seqpar.verify import verify  # noqa: E402
 
 TOPK = 6  # of up to 37 keys: the selection cuts for every query after the sixth
@@ -96,19 +95,18 @@ def test_top_k_cuts():
 
 
 @pytest.mark.slow
-def test_sparse_attention_exact_2x2():
+def test_sparse_attention_exact_2x2(short_pools):
     worlds = [(2, 2)]
-    with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_run, worlds, _references(), True)
+    # the short-timeout pool: a rank left waiting fails the test in seconds
+    per_rank = short_pools(4).run(_run, worlds, _references(), True)
     _check(worlds, per_rank)
 
 
-@pytest.mark.slow  # three spawns on 2 shared cores
+@pytest.mark.slow
 @pytest.mark.parametrize("worlds", [[(1, 4), (4, 1)], [(3, 1)]], ids=["1x4+4x1", "3x1"])
-def test_sparse_attention_exact_on_shards(worlds):
+def test_sparse_attention_exact_on_shards(short_pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    with DistPool(size, timeout_s=60) as pool:
-        per_rank = pool.run(_run, worlds, _references(), False)
+    per_rank = short_pools(size).run(_run, worlds, _references(), False)
     _check(worlds, per_rank)
 
 

@@ -27,7 +27,6 @@ from seqpar import ParallelState, shard, shard_positions  # noqa: E402
 from seqpar.integrations.transformers import generate, register  # noqa: E402
 from seqpar.integrations.transformers_mixers import install  # noqa: E402
 from seqpar.tools.models.hf_configs import causal_lm_class, tiny_hf_config  # noqa: E402
-from seqpar.tools.testing import DistPool  # noqa: E402
 from seqpar.training import sharded_cross_entropy, shift_labels  # noqa: E402
 from seqpar.verify import verify  # noqa: E402
 
@@ -193,19 +192,18 @@ def test_blocks_and_top_k_cut():
 
 
 @pytest.mark.slow
-def test_block_sparse_attention_exact_2x2():
+def test_block_sparse_attention_exact_2x2(short_pools):
     worlds = [(2, 2)]
-    with DistPool(4, timeout_s=60) as pool:  # a rank left waiting fails within the timeout
-        per_rank = pool.run(_run, worlds, _reference(), True)
+    # the short-timeout pool: a rank left waiting fails the test in seconds
+    per_rank = short_pools(4).run(_run, worlds, _reference(), True)
     _check(worlds, per_rank)
 
 
-@pytest.mark.slow  # three spawns on 2 shared cores
+@pytest.mark.slow
 @pytest.mark.parametrize("worlds", [[(1, 4), (4, 1)], [(3, 1)]], ids=["1x4+4x1", "3x1"])
-def test_block_sparse_attention_exact_on_shards(worlds):
+def test_block_sparse_attention_exact_on_shards(short_pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    with DistPool(size, timeout_s=60) as pool:
-        per_rank = pool.run(_run, worlds, _reference(), False)
+    per_rank = short_pools(size).run(_run, worlds, _reference(), False)
     _check(worlds, per_rank)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -127,11 +128,16 @@ class DistPool:
             q.put((fn, args, kwargs))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        for _ in range(self.world_size):
+        deadline = time.monotonic() + wait_s
+        while len(results) + len(errors) < self.world_size:
             try:
-                rank, ok, value = self._results.get(timeout=wait_s)
+                # Short waits: a rank that died (killed, or failed to start) never answers, and
+                # waiting out the whole timeout for it would only delay the same error.
+                rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if not dead and time.monotonic() < deadline:
+                    continue
                 self.close()
                 raise DistributedError(
                     f"{fn.__name__}: no answer from {self.world_size - len(results) - len(errors)} "
@@ -154,13 +160,15 @@ class DistPool:
             except (OSError, ValueError):
                 pass
         # Interpreter teardown of a torch process takes seconds; the ranks hold nothing worth
-        # a clean exit, so give them a moment and then stop them.
-        for p in self._procs:
-            p.join(timeout=0.5)
-        for p in self._procs:
+        # a clean exit, so give them all one moment together and then stop them.
+        started = [p for p in self._procs if p.pid is not None]
+        deadline = time.monotonic() + 0.5
+        for p in started:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in self._procs:
+        for p in started:
             p.join()
         self._procs = []
         if hasattr(self, "_tmp"):
