@@ -273,9 +273,13 @@ def test_ranks_with_different_ring_comm_raise_on_every_rank(pools, other):
 
 @pytest.mark.slow
 def test_masks_and_alibi_on_eight_ranks(pools):
-    cases = _cases(8)
-    cases += [dict(c, ring_comm="allgather", name=f"allgather {c['name']}") for c in cases if c["RU"][0] > 1]
-    _check(pools(8).run(_rank, cases), len(cases))
+    """Every case once on 8 ranks, each on one of the three splits in turn, and once more under
+    all-gather on another split (4 ranks run the whole matrix of cases and splits)."""
+    cases, n = _cases(8), len(_WORLDS[8])
+    p2p = [c for i, c in enumerate(cases) if (i // n + i % n) % n == 0]
+    gathered = [dict(c, ring_comm="allgather", name=f"allgather {c['name']}")
+                for i, c in enumerate(cases) if (i // n + i % n) % n == 1]
+    _check(pools(8).run(_rank, p2p + gathered), len(p2p) + len(gathered))
 
 
 def test_compiled_matches_eager():
