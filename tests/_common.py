@@ -1,6 +1,9 @@
 """Shared test constants and helpers: dtypes by name, the float tolerances against float64
 references, and the bytes a computation saves for its backward."""
 
+import math
+
+import pytest
 import torch
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,3 +25,14 @@ def saved_bytes(fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+def quick_up_to(ranks: int, worlds) -> list:
+    """``worlds`` (world sizes for one argument, or ``(ring, ulysses)`` tuples for two) for
+    ``pytest.mark.parametrize``, those over ``ranks`` ranks marked ``slow``: the quick subset runs a
+    matrix up to ``ranks`` ranks, the full suite all of it (on 2 cores, 4 and 8 ranks time-share and
+    cost the most)."""
+    def slow(w):
+        return pytest.param(*w, marks=pytest.mark.slow) if isinstance(w, tuple) else pytest.param(w, marks=pytest.mark.slow)
+
+    return [slow(w) if (w if isinstance(w, int) else math.prod(w)) > ranks else w for w in worlds]

@@ -1,3 +1,5 @@
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -26,8 +28,9 @@ class _Pools:
         return self._pools[key]
 
     def close(self) -> None:
-        for p in self._pools.values():
-            p.close()
+        # Together: each pool gives its ranks a moment to exit before stopping them.
+        with ThreadPoolExecutor() as ex:
+            list(ex.map(DistPool.close, self._pools.values()))
 
 
 @pytest.fixture(scope="session")

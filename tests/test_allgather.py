@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _common import quick_up_to
 import seqpar
 from seqpar import ParallelState
 from seqpar.backends import reference_attention
@@ -128,7 +129,7 @@ def _rank_cases(kind: str, cases: list[dict]) -> list[tuple[str, float]]:
     return results
 
 
-@pytest.mark.parametrize("world", sorted(_WORLDS))
+@pytest.mark.parametrize("world", quick_up_to(3, sorted(_WORLDS)))
 def test_dense_allgather(pools, world):
     cases = _dense_cases(_WORLDS[world])
     for rank, results in enumerate(pools(world).run(_rank_cases, "dense", cases)):
@@ -137,7 +138,7 @@ def test_dense_allgather(pools, world):
             assert err <= TOL, f"rank {rank}: allgather {name}: error {err:.3g}"
 
 
-@pytest.mark.parametrize("world", sorted(_WORLDS))
+@pytest.mark.parametrize("world", quick_up_to(3, sorted(_WORLDS)))
 def test_packed_allgather(pools, world):
     cases = _packed_cases(_WORLDS[world])
     for rank, results in enumerate(pools(world).run(_rank_cases, "packed", cases)):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _common import quick_up_to
 from seqpar.comm import (
     all_gather,
     all_reduce,
@@ -127,7 +128,7 @@ def _fused_cases():
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", quick_up_to(3, [1, 2, 3, 4]))
 def test_all_to_all_many_overlapping_ranges(pools, world):
     assert all(pools(world).run(_fused_cases))
 
@@ -468,6 +469,6 @@ def _last_dim_cases():
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", quick_up_to(3, [1, 2, 3, 4]))
 def test_all_to_all_over_the_last_dim(pools, world):
     assert all(pools(world).run(_last_dim_cases))

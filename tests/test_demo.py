@@ -24,6 +24,7 @@ def _seqpar(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a fresh interpreter per command: not in the quick subset
 def test_help_lists_commands():
     proc = _seqpar("--help")
     assert proc.returncode == 0
@@ -70,6 +71,7 @@ def test_demo_causal_ring_only_bf16():
     assert proc.stdout.splitlines()[-1].startswith("demo: OK")
 
 
+@pytest.mark.slow  # a fresh interpreter per command: not in the quick subset
 def test_demo_rejects_bad_degrees():
     proc = _seqpar("demo", "--ring", "3", "--ulysses", "1")
     assert proc.returncode != 0

@@ -378,13 +378,8 @@ def _unusable(package: str) -> str | None:
     return None
 
 
-def _params() -> list:
-    """Blocks on 4 or more ranks (a pool of their own, slow on 2 cores) are marked ``slow``."""
-    return [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _settings(b)["ranks"] >= 4 else [])
-            for b in BLOCKS]
-
-
-@pytest.mark.parametrize("block", _params())
+@pytest.mark.slow  # ~70 programs, many importing a framework: the full suite runs them, the quick subset not
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in BLOCKS])
 def test_block_runs(block, pools):
     settings = _settings(block)
     required = _required(block, settings)

@@ -159,6 +159,7 @@ def _rank_own_loop(ring: int, ulysses: int) -> float:
     return err
 
 
+@pytest.mark.slow
 def test_model_forward_with_seqpar_cache(pools):
     for err in pools(3).run(_rank_own_loop, 3, 1):
         assert err <= TOL
@@ -241,6 +242,7 @@ def _rank_stopping(ring: int, ulysses: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_stopping_is_decided_once_for_the_cp_group(pools):
     results = pools(4).run(_rank_stopping, 2, 2)
     for rank, r in enumerate(results):

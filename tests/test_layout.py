@@ -85,6 +85,7 @@ def _new_modules() -> dict[str, dict]:
     return {r["module"]: r for r in rows}
 
 
+@pytest.mark.slow  # a fresh interpreter imports the library: not in the quick subset
 @pytest.mark.parametrize("module", LIBRARY)
 def test_library_imports_no_tools(module):
     r = _new_modules().get(module)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _common import quick_up_to
 import seqpar
 from seqpar import MaskSlices, ParallelState
 from seqpar.backends.reference import reference_attention
@@ -241,13 +242,13 @@ def _check(results, n):
             assert err <= tol, f"rank {rank}: {name}: error {err:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", quick_up_to(3, [1, 2, 3, 4]))
 def test_masks_and_alibi_match_reference(pools, world):
     cases = _cases(world)
     _check(pools(world).run(_rank, cases), len(cases))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", quick_up_to(3, [2, 3, 4]))
 def test_masks_and_alibi_under_allgather(pools, world):
     """Every mask, ALiBi and MLA case again with the ring group all-gathering K/V."""
     cases = [dict(c, ring_comm="allgather", name=f"allgather {c['name']}") for c in _cases(world) if c["RU"][0] > 1]

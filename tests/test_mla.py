@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _common import quick_up_to
 import seqpar
 from seqpar import ParallelState
 from seqpar.backends import flash_attn as flash_attn_module
@@ -491,7 +492,7 @@ def test_dense_cases_cover_the_matrix():
             (b, w) for b in ("cpu", "reference") for w in (False, True)}
 
 
-@pytest.mark.parametrize("world", sorted(_WORLDS))
+@pytest.mark.parametrize("world", quick_up_to(3, sorted(_WORLDS)))
 def test_dense_value_head_dim(pools, world):
     cases = _dense_cases(_WORLDS[world])
     for rank, results in enumerate(pools(world).run(_rank_dense, cases)):
@@ -569,7 +570,7 @@ def _rank_packed(cases: list[dict]) -> list[tuple[str, float]]:
     return results
 
 
-@pytest.mark.parametrize("world", sorted(_WORLDS))
+@pytest.mark.parametrize("world", quick_up_to(3, sorted(_WORLDS)))
 def test_packed_value_head_dim(pools, world):
     cases = _packed_cases(_WORLDS[world])
     assert {c["Dv"] < c["D"] for c in cases} == {False, True}

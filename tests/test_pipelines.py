@@ -138,6 +138,7 @@ def _masked_flux_call(R: int, U: int) -> dict:
     return result
 
 
+@pytest.mark.slow  # a diffusers model on every rank: not in the quick subset
 def test_attention_mask_in_joint_attention_kwargs_is_refused(pools):
     """The one-device pipeline honours the mask; the parallel one raises on every rank."""
     per_rank = pools(2).run(_masked_flux_call, 1, 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _common import quick_up_to
 import seqpar
 from seqpar.placement import Placement, split_sizes
 
@@ -153,7 +154,7 @@ def _shard_cases(R, U):
     return True
 
 
-@pytest.mark.parametrize("R,U", CONFIGS)
+@pytest.mark.parametrize("R,U", quick_up_to(4, CONFIGS))
 def test_shard_unshard(pools, R, U):
     assert all(pools(R * U).run(_shard_cases, R, U))
 

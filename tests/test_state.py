@@ -47,7 +47,8 @@ def _layout(R, U):
 
 @pytest.mark.parametrize(
     "world,R,U",
-    [(1, 1, 1), (2, 2, 1), (2, 1, 2), (4, 2, 2), (4, 1, 2), (8, 2, 2), (8, 2, 4), (8, 4, 2), (8, 1, 1), (3, 3, 1), (3, 1, 1)],
+    [(1, 1, 1), (2, 2, 1), (2, 1, 2), (4, 2, 2), (4, 1, 2), (3, 3, 1), (3, 1, 1)]
+    + [pytest.param(*w, marks=pytest.mark.slow) for w in [(8, 2, 2), (8, 2, 4), (8, 4, 2), (8, 1, 1)]],  # 8 ranks: full suite
 )
 def test_rank_layout(pools, world, R, U):
     reprs = pools(world).run(_layout, R, U)

@@ -220,6 +220,7 @@ def _same_on_every_rank(results: list[dict[str, object]], key: str) -> object:
     return values[0]
 
 
+@pytest.mark.slow  # a transformers model on every rank: not in the quick subset
 @pytest.mark.parametrize("ring,ulysses", [(2, 2), (4, 1)])
 def test_llama_passes_and_mixers_are_named(pool4, ring, ulysses):
     pytest.importorskip("transformers")
@@ -245,6 +246,7 @@ def test_llama_passes_and_mixers_are_named(pool4, ring, ulysses):
     assert text.startswith("seqpar.verify: model.layers.1.mlp: every forward output agrees, but its input gradients")
 
 
+@pytest.mark.slow  # a transformers model on every rank: not in the quick subset
 def test_llama_three_ranks(pool3):
     results = pool3.run(_llama_cases, 3, 1)
     passed, text = _same_on_every_rank(results, "good")
