@@ -48,29 +48,6 @@ def test_demo_default_passes():
     assert any("starting 4 rank processes" in line for line in err) and any("ranks done in" in line for line in err)
 
 
-@pytest.mark.slow
-def test_demo_causal_ring_only_bf16():
-    proc = _seqpar(
-        "demo",
-        "--ring",
-        "4",
-        "--ulysses",
-        "1",
-        "--seq-len",
-        "777",
-        "--heads",
-        "5",
-        "--kv-heads",
-        "1",
-        "--causal",
-        "--dtype",
-        "bfloat16",
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "causal" in proc.stdout.splitlines()[0]
-    assert proc.stdout.splitlines()[-1].startswith("demo: OK")
-
-
 @pytest.mark.slow  # a fresh interpreter per command: not in the quick subset
 def test_demo_rejects_bad_degrees():
     proc = _seqpar("demo", "--ring", "3", "--ulysses", "1")
@@ -79,15 +56,17 @@ def test_demo_rejects_bad_degrees():
 
 
 @pytest.mark.slow
-def test_demo_json_report():
+def test_demo_causal_ring_only_bf16_json_report():
     import json
 
-    proc = _seqpar("demo", "--world-size", "2", "--ring", "2", "--ulysses", "1", "--seq-len", "301",
-                   "--causal", "--iters", "2", "--json")
+    proc = _seqpar("demo", "--ring", "4", "--ulysses", "1", "--seq-len", "777", "--heads", "5", "--kv-heads", "1",
+                   "--causal", "--dtype", "bfloat16", "--iters", "2", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
-    assert report["ok"] and len(report["ranks"]) == 2
+    assert report["ok"] and len(report["ranks"]) == 4
+    config = report["config"]
+    assert (config["ring"], config["ulysses"], config["causal"], config["dtype"]) == (4, 1, True, "bfloat16"), config
     for r in report["ranks"]:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["peak_bytes"] > 0 and r["memory_vs_ideal"] > 0
     assert report["single_device"]["peak_bytes"] > 0 and report["fwd_vs_single"] > 0
-    assert "4 ranks up" not in proc.stderr and "2 ranks up" in proc.stderr  # progress on stderr, JSON intact
+    assert "4 ranks up" in proc.stderr and "demo: OK" not in proc.stdout  # progress on stderr, JSON intact

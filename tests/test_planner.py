@@ -480,7 +480,9 @@ def _states_and_memory(shapes):
 
 @pytest.mark.slow
 def test_state_and_memory_estimate(pools):
-    shapes = [(2048, 6, 2, 64, True, (-1, -1)), (3001, 9, 3, 32, False, (-1, -1)), (4096, 8, 8, 32, True, (255, 0))]
+    # Lengths large enough that activations, not fixed buffers, set the peaks (every ratio moved by
+    # <= 0.015 from twice these lengths, measured).
+    shapes = [(1024, 6, 2, 64, True, (-1, -1)), (1501, 9, 3, 32, False, (-1, -1)), (2048, 8, 8, 32, True, (127, 0))]
     per_rank = pools(4).run(_states_and_memory, shapes)
     for rows in zip(*per_rank):  # one candidate of one shape, on every rank
         label, estimate = rows[0][:2]
