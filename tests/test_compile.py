@@ -131,8 +131,11 @@ def test_graph_holds_the_seqpar_operator():
 
 
 def test_compiled_single_process():
-    errors = _compare(1, 1, _KINDS, _BACKENDS)
-    assert all(e < 1e-4 for e in errors.values()), errors
+    # aot_eager runs every kind; inductor (a C++ build per graph, seconds each on a cold cache) the
+    # three entry points: seqpar.attention, seqpar.varlen_attention and parallel_sdpa.
+    errors = _compare(1, 1, _KINDS, _BACKENDS[:1])
+    errors.update(_compare(1, 1, ["causal", "packed", "sdpa"], _BACKENDS[1:]))
+    assert len(errors) == len(_KINDS) + 3 * (len(_BACKENDS) - 1) and all(e < 1e-4 for e in errors.values()), errors
 
 
 @pytest.mark.parametrize("R,U,kinds", [
@@ -145,8 +148,11 @@ def test_compiled_multi_rank_world4(pools, R, U, kinds):
 
 
 def test_compiled_multi_rank_world3(pools):
-    # Ulysses 3 over 6 query / 3 KV heads: the grouped heads split unevenly.
-    for rank, errors in enumerate(pools(3).run(_compare, 1, 3, ["causal", "packed"], _BACKENDS[-1:])):
+    # Ulysses 3 over 6 query / 3 KV heads: the grouped heads split unevenly; the dense call with
+    # inductor where a compiler is found (packed: aot_eager, as in the world-4 matrix).
+    per_rank = zip(pools(3).run(_compare, 1, 3, ["causal"], _BACKENDS[-1:]), pools(3).run(_compare, 1, 3, ["packed"], _BACKENDS[:1]))
+    for rank, (dense, packed) in enumerate(per_rank):
+        errors = {**dense, **packed}
         assert len(errors) == 2 and all(e < 1e-4 for e in errors.values()), (rank, errors)
 
 
