@@ -6,26 +6,24 @@ import torch
 from seqpar.tools.testing import DistPool
 
 
-# The collective timeout of the pools that tests of "no rank left waiting" ask for: a rank stuck in a
-# collective fails the test in seconds rather than after the default pools' two minutes.
-SHORT_TIMEOUT_S = 30.0
+# The collective timeout of every pool's default group (and of the states built on it): a rank left
+# waiting in a collective fails its test within a minute rather than after torch's 30; no wait in
+# these tests comes near it (the longest single run of a test function takes ~16 s here).
+POOL_TIMEOUT_S = 60.0
 
 
 class _Pools:
-    """One lazily started ``DistPool`` per world size and collective timeout, shared by the whole
-    test session: every spawn starts ranks that import torch afresh (and often transformers), ~20 s
-    each on a loaded 2-core machine."""
+    """One lazily started ``DistPool`` per world size, shared by the whole test session: every
+    spawn starts ranks that import torch afresh (and often transformers and the model families),
+    seconds each on 2 cores, so one pool per size serves every test, refusal tests included."""
 
     def __init__(self) -> None:
-        self._pools: dict[tuple[int, float | None], DistPool] = {}
+        self._pools: dict[int, DistPool] = {}
 
-    def __call__(self, world_size: int, timeout_s: float | None = None) -> DistPool:
-        """The pool of ``world_size`` ranks; ``timeout_s`` (e.g. ``SHORT_TIMEOUT_S``) asks for one whose
-        default group has that collective timeout instead of ``DistPool``'s default."""
-        key = (world_size, timeout_s)
-        if key not in self._pools:
-            self._pools[key] = DistPool(world_size) if timeout_s is None else DistPool(world_size, timeout_s=timeout_s)
-        return self._pools[key]
+    def __call__(self, world_size: int) -> DistPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = DistPool(world_size, timeout_s=POOL_TIMEOUT_S)
+        return self._pools[world_size]
 
     def close(self) -> None:
         # Together: each pool gives its ranks a moment to exit before stopping them.
@@ -38,13 +36,6 @@ def pools():
     p = _Pools()
     yield p
     p.close()
-
-
-@pytest.fixture(scope="session")
-def short_pools(pools):
-    """``short_pools(world_size)``: the session's pool of that size whose collective timeout is
-    ``SHORT_TIMEOUT_S``, for tests that a rank left waiting must fail quickly."""
-    return lambda world_size: pools(world_size, SHORT_TIMEOUT_S)
 
 
 def pytest_collection_modifyitems(config, items):

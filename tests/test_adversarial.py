@@ -153,8 +153,8 @@ def _many_states(n: int) -> dict:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc")
-def test_closed_states_do_not_grow_fds_or_threads(short_pools):
-    results = short_pools(4).run(_many_states, 40)  # counts before and after, within the one call
+def test_closed_states_do_not_grow_fds_or_threads(pools):
+    results = pools(4).run(_many_states, 40)  # counts before and after, within the one call
     for rank, r in enumerate(results):
         (fd0, task0, py0), (fd1, task1, _), (fd2, task2, py2) = r["before"], r["leaked"], r["after"]
         assert fd1 > fd0 and task1 > task0, (rank, r)  # three open states do show up
@@ -301,10 +301,10 @@ def _live_groups(leave_a_state: bool) -> int:
     return n
 
 
-def test_pool_destroys_the_groups_a_function_left(short_pools):
+def test_pool_destroys_the_groups_a_function_left(pools):
     """Leaked gloo groups each keep a polling thread (docs/troubleshooting.md, "Slow"): the pool
     must not let one test's unclosed state slow down every later one."""
-    pool = short_pools(4)
+    pool = pools(4)
     before = pool.run(_live_groups, True)
     after = pool.run(_live_groups, False)
     assert after == before, (before, after)

@@ -129,34 +129,34 @@ _NEEDLES = {
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.slow
-def test_decode_options_that_differ_on_one_rank_raise_everywhere(short_pools, world):
+def test_decode_options_that_differ_on_one_rank_raise_everywhere(pools, world):
     """Item 3: one rank's window, softcap, scale, sinks, causal, chunk or ALiBi (or layer) made
     every rank return a result matching no mask (0.68 off)."""
     cases = [c for c in _DECODE_CASES if c != "tokens"]
     for ring, ulysses in _SPLITS[world]:
-        results = short_pools(world).run(_rank_decode, ring, ulysses, cases, "decode")
+        results = pools(world).run(_rank_decode, ring, ulysses, cases, "decode")
         for case in cases:
             _same_error_everywhere(results, case, world - 1, "seqpar.inference.decode", *_NEEDLES[case])
         assert max(r["error"] for r in results) < TOL, results
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_decode_token_count_that_differs_on_one_rank_raises_everywhere(short_pools, world):
+def test_decode_token_count_that_differs_on_one_rank_raises_everywhere(pools, world):
     """Item 6: another number of new tokens on one rank aborted that rank's process (gloo)."""
     for ring, ulysses in _SPLITS[world]:
-        results = short_pools(world).run(_rank_decode, ring, ulysses, ["tokens"], "decode")
+        results = pools(world).run(_rank_decode, ring, ulysses, ["tokens"], "decode")
         _same_error_everywhere(results, "tokens", world - 1, *_NEEDLES["tokens"])
         assert max(r["error"] for r in results) < TOL, results
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_prefill_options_that_differ_on_one_rank_raise_everywhere(short_pools, world):
+def test_prefill_options_that_differ_on_one_rank_raise_everywhere(pools, world):
     """The first layer's prefill (its lengths' exchange) and a later layer's (whose shard length
     is checked against the first layer's placement) raise on every rank too."""
     options = ["window", "softcap", "scale", "sinks values", "causal", "chunk_size", "alibi"]
     ring, ulysses = _SPLITS[world][0]
     for stage, cases in (("prefill0", options), ("prefill", [*options, "tokens"])):
-        results = short_pools(world).run(_rank_decode, ring, ulysses, cases, stage)
+        results = pools(world).run(_rank_decode, ring, ulysses, cases, stage)
         for case in cases:
             needles = ("seqpar.inference.prefill",)
             if case == "tokens":  # a shard length is only wrong against the first layer's placement
@@ -183,8 +183,8 @@ def _rank_cache_mismatch(_: None) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_whose_cache_differs_refuses_and_no_rank_waits(short_pools, world):
-    results = short_pools(world).run(_rank_cache_mismatch, None)
+def test_a_rank_whose_cache_differs_refuses_and_no_rank_waits(pools, world):
+    results = pools(world).run(_rank_cache_mismatch, None)
     for rank, r in enumerate(results):
         want = "do not match the cached rows" if rank == world - 1 else f"cp rank {world - 1} refused this call"
         assert r["call"].startswith("ValueError: ") and want in r["call"], (rank, r)
@@ -246,11 +246,11 @@ def _rank_losses(ring: int, ulysses: int, ignore_index: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_bad_label_on_one_rank_raises_everywhere(short_pools, world):
+def test_a_bad_label_on_one_rank_raises_everywhere(pools, world):
     """Item 8: a label >= V or < 0 (not ignore_index) on one rank raised there only; the other
     ranks returned and waited in their next collective."""
     for ring, ulysses in _SPLITS[world]:
-        results = short_pools(world).run(_rank_losses, ring, ulysses, -100)
+        results = pools(world).run(_rank_losses, ring, ulysses, -100)
         for name in ("linear_cross_entropy", "sharded_cross_entropy"):
             for label in (V + 4, -7):
                 case = f"{name.split('_')[0]} {label}"
@@ -260,12 +260,12 @@ def test_a_bad_label_on_one_rank_raises_everywhere(short_pools, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_ignore_index_at_or_above_the_vocab_size(short_pools, world):
+def test_ignore_index_at_or_above_the_vocab_size(pools, world):
     """Item 10: ignore_index >= V crashed linear_cross_entropy with an index error (a device-side
     assert on CUDA) where sharded_cross_entropy and F.cross_entropy accept it; bad labels are
     still refused on every rank."""
     for ignore_index in (V, V + 100):
-        results = short_pools(world).run(_rank_losses, *_SPLITS[world][0], ignore_index)
+        results = pools(world).run(_rank_losses, *_SPLITS[world][0], ignore_index)
         assert max(r["error"] for r in results) < TOL, (ignore_index, results)
         _same_error_everywhere(results, "linear -7", world - 1, "label -7")
 
@@ -290,9 +290,9 @@ def _rank_vocab_differs(_: None) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_vocab_size_or_ignore_index_that_differs_on_one_rank(short_pools, world):
+def test_vocab_size_or_ignore_index_that_differs_on_one_rank(pools, world):
     """Ranks that disagree on V or ignore_index would each count their own tokens: refused everywhere."""
-    results = short_pools(world).run(_rank_vocab_differs, None)
+    results = pools(world).run(_rank_vocab_differs, None)
     _same_error_everywhere(results, "vocab", world - 1, f"({V}, -100) on cp rank 0, ({V + 1}, -100)")
     _same_error_everywhere(results, "ignore_index", world - 1, f"({V}, -100) on cp rank 0, ({V}, -1)")
 
@@ -320,9 +320,9 @@ def _rank_global_loss(ring: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_global_loss_shares_that_differ_on_one_rank(short_pools, world):
+def test_global_loss_shares_that_differ_on_one_rank(pools, world):
     for ring in (world, 1):  # CP only, DP only
-        results = short_pools(world).run(_rank_global_loss, ring)
+        results = pools(world).run(_rank_global_loss, ring)
         for case, needle in (("dtype", "1 element(s) of float32"), ("shape", "2 element(s) of float64")):
             msgs = [r[case] for r in results]
             assert all(m == msgs[0] for m in msgs) and msgs[0].startswith("ValueError: "), (case, msgs)

@@ -89,7 +89,7 @@ def test_every_peer_has_a_block():
 
 @pytest.mark.slow
 def test_coming_from_blocks_run_exactly_in_the_peers_placement(pools):
-    per_rank = pools(4, 60.0).run(_run, _blocks(), _reference())
+    per_rank = pools(4).run(_run, _blocks(), _reference())
     for rank, errors in enumerate(per_rank):
         assert set(errors) == set(PEERS), errors
         for peer, err in errors.items():

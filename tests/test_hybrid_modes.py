@@ -153,19 +153,18 @@ def _check_auto(per_rank):
 
 
 @pytest.mark.slow
-def test_modes_exact_and_equal_2x2(short_pools):
+def test_modes_exact_and_equal_2x2(pools):
     worlds = [(2, 2)]
-    # the short-timeout pool: a rank left waiting fails the test in seconds
-    per_rank = short_pools(4).run(_run, worlds, _references([*FAMILIES, FEW_HEADS]), True)
+    per_rank = pools(4).run(_run, worlds, _references([*FAMILIES, FEW_HEADS]), True)
     check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
     _check_auto(per_rank)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worlds", [[(3, 1)], [(1, 4)]], ids=["3x1", "1x4"])
-def test_modes_exact_and_equal_on_shards(short_pools, worlds):
+def test_modes_exact_and_equal_on_shards(pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    per_rank = short_pools(size).run(_run, worlds, _references(FAMILIES), False)
+    per_rank = pools(size).run(_run, worlds, _references(FAMILIES), False)
     check_modes(worlds, per_rank, TOL, FLOAT32_TOL)
 
 

@@ -183,8 +183,8 @@ def _check_refusals(per_rank: list[dict[str, tuple[str, str]]]) -> None:
 
 
 @pytest.mark.slow
-def test_mixer_families_and_unhonoured_arguments_refused_on_every_rank_2x2(short_pools):
-    pool = short_pools(4)  # a rank left waiting fails within the timeout
+def test_mixer_families_and_unhonoured_arguments_refused_on_every_rank_2x2(pools):
+    pool = pools(4)  # a rank left waiting fails within the timeout
     per_rank = pool.run(_rank_refusals, 2, 2)
     attention = pool.run(_rank_attention_refusals, 2, 2)
     _check_refusals(per_rank)
@@ -192,8 +192,8 @@ def test_mixer_families_and_unhonoured_arguments_refused_on_every_rank_2x2(short
 
 
 @pytest.mark.slow  # another spawn of three ranks: ~30 s on 2 shared cores
-def test_mixer_families_refused_on_every_rank_3_ranks(short_pools):
-    per_rank = short_pools(3).run(_rank_refusals, 3, 1)
+def test_mixer_families_refused_on_every_rank_3_ranks(pools):
+    per_rank = pools(3).run(_rank_refusals, 3, 1)
     _check_refusals(per_rank)
 
 

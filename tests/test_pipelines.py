@@ -187,6 +187,7 @@ def _per_rank_inputs(kind: str) -> dict:
             return dict(raised=str(e))
 
 
+@pytest.mark.slow  # a diffusers pipeline on every rank: not in the quick subset
 def test_a_generator_seeded_per_rank_is_refused(pools):
     """Per-rank seeds draw different latents on the CP ranks: refused on every rank, not a wrong image."""
     for r in pools(2).run(_per_rank_inputs, "seed"):

@@ -1,8 +1,8 @@
 """Predictable calls: collectives counted, mismatched ranks all raise (no hang, no abort, no
 numbers), checkpointing, NaN, empty shards, and no growth over many calls.
 
-Mismatch cases run in the session's pools with a short collective timeout, so that a hang fails
-the test in seconds instead of blocking it.
+Mismatch cases run in the session's pools, whose collectives time out after a minute, so that a
+hang fails the test instead of blocking it.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def _rank_mismatch(R: int, U: int) -> list[str]:
 
 
 @pytest.mark.parametrize("R,U", [(2, 1), (1, 2), (2, 2)])
-def test_mismatches_raise_on_every_rank(short_pools, R, U):
-    per_rank = short_pools(R * U).run(_rank_mismatch, R, U)
+def test_mismatches_raise_on_every_rank(pools, R, U):
+    per_rank = pools(R * U).run(_rank_mismatch, R, U)
     for rank, results in enumerate(per_rank):
         assert len(results) == len(_KINDS) * R * U * 2 + 3, results
         bad = [r for r in results if "NO ERROR" in r]

@@ -192,18 +192,17 @@ def test_blocks_and_top_k_cut():
 
 
 @pytest.mark.slow
-def test_block_sparse_attention_exact_2x2(short_pools):
+def test_block_sparse_attention_exact_2x2(pools):
     worlds = [(2, 2)]
-    # the short-timeout pool: a rank left waiting fails the test in seconds
-    per_rank = short_pools(4).run(_run, worlds, _reference(), True)
+    per_rank = pools(4).run(_run, worlds, _reference(), True)
     _check(worlds, per_rank)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worlds", [[(1, 4), (4, 1)], [(3, 1)]], ids=["1x4+4x1", "3x1"])
-def test_block_sparse_attention_exact_on_shards(short_pools, worlds):
+def test_block_sparse_attention_exact_on_shards(pools, worlds):
     size = worlds[0][0] * worlds[0][1]
-    per_rank = short_pools(size).run(_run, worlds, _reference(), False)
+    per_rank = pools(size).run(_run, worlds, _reference(), False)
     _check(worlds, per_rank)
 
 

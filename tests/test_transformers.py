@@ -271,8 +271,8 @@ def _one_rank_refuses(ring, ulysses):
     return out
 
 
-def test_one_rank_refusals_raise_on_every_rank(short_pools):
-    per_rank = short_pools(4).run(_one_rank_refuses, 2, 2)  # a rank left waiting fails within 30 s
+def test_one_rank_refusals_raise_on_every_rank(pools):
+    per_rank = pools(4).run(_one_rank_refuses, 2, 2)  # a rank left waiting fails within 30 s
     assert any(r["llama4_own"] for r in per_rank) and not all(r["llama4_own"] for r in per_rank)
     for rank, r in enumerate(per_rank):
         assert r["fine"] is None
@@ -434,9 +434,9 @@ def _expect_round3(case: str, got: tuple[str, object], cp_size: int) -> None:
 
 @pytest.mark.parametrize("ring,ulysses", [(2, 2), (1, 4), (4, 1)], ids=["2x2", "1x4", "4x1"])
 def test_round3_findings_raise_the_same_error_on_every_rank_or_are_exact(pools, ring, ulysses):
-    # a short timeout: a rank left waiting fails the test instead of stalling it (one pool for the
-    # three splits, each registering its own attention name)
-    per_rank = pools(4, 60.0).run(_round3_cases, ring, ulysses)
+    # one pool for the three splits, each registering its own attention name; a rank left waiting
+    # fails the test at the pool's collective timeout instead of stalling it
+    per_rank = pools(4).run(_round3_cases, ring, ulysses)
     for case in per_rank[0]:
         outcomes = [r[case] for r in per_rank]
         if outcomes[0][0] != "ok":
