@@ -32,7 +32,8 @@ def quick_up_to(ranks: int, worlds) -> list:
     ``pytest.mark.parametrize``, those over ``ranks`` ranks marked ``slow``: the quick subset runs a
     matrix up to ``ranks`` ranks, the full suite all of it (on 2 cores, 4 and 8 ranks time-share and
     cost the most)."""
-    def slow(w):
-        return pytest.param(*w, marks=pytest.mark.slow) if isinstance(w, tuple) else pytest.param(w, marks=pytest.mark.slow)
-
-    return [slow(w) if (w if isinstance(w, int) else math.prod(w)) > ranks else w for w in worlds]
+    out = []
+    for w in worlds:
+        values = w if isinstance(w, tuple) else (w,)
+        out.append(pytest.param(*values, marks=pytest.mark.slow) if math.prod(values) > ranks else w)
+    return out

@@ -150,7 +150,9 @@ def test_compiled_multi_rank_world4(pools, R, U, kinds):
 def test_compiled_multi_rank_world3(pools):
     # Ulysses 3 over 6 query / 3 KV heads: the grouped heads split unevenly; the dense call with
     # inductor where a compiler is found (packed: aot_eager, as in the world-4 matrix).
-    per_rank = zip(pools(3).run(_compare, 1, 3, ["causal"], _BACKENDS[-1:]), pools(3).run(_compare, 1, 3, ["packed"], _BACKENDS[:1]))
+    dense = pools(3).run(_compare, 1, 3, ["causal"], _BACKENDS[-1:])
+    packed = pools(3).run(_compare, 1, 3, ["packed"], _BACKENDS[:1])
+    per_rank = zip(dense, packed)
     for rank, (dense, packed) in enumerate(per_rank):
         errors = {**dense, **packed}
         assert len(errors) == 2 and all(e < 1e-4 for e in errors.values()), (rank, errors)

@@ -38,6 +38,7 @@ nothing and run no kernel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -358,10 +359,7 @@ def _unique_rows(columns: list[Tensor]) -> tuple[Tensor, Tensor]:
     ``dim=0`` sorts rows one comparison at a time: ~100x slower, seconds per packed plan."""
     lows = [c.min() for c in columns]
     sizes = [int(c.max() - lo) + 1 for c, lo in zip(columns, lows)]
-    span = 1
-    for size in sizes:
-        span *= size
-    if span >= 1 << 62:
+    if math.prod(sizes) >= 1 << 62:
         return torch.unique(torch.stack(columns, 1), dim=0, return_inverse=True)
     key = torch.zeros_like(columns[0])
     for c, lo, size in zip(columns, lows, sizes):
