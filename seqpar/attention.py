@@ -48,7 +48,7 @@ from .parallel.hybrid import (
     splits_at_heads,
     to_head_shards,
 )
-from .parallel.ulysses import UlyssesSetup
+from .parallel.ulysses import DoutExchanged, Saved, UlyssesSetup
 from .prepare import (
     Layout,
     PreparedCall,
@@ -86,7 +86,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         refuse_double_backward("seqpar attention")
         q, k, v, out, sinks, lse_body, lse_replicated = ctx.saved_tensors
-        grads = hybrid_backward(ctx.setup, dout, q, k, v, sinks, out, lse_body, lse_replicated)
+        grads = hybrid_backward(ctx.setup, dout, Saved.of(q, k, v, out, lse_body, lse_replicated), sinks)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None)  # none for call
 
 
@@ -115,15 +115,10 @@ class _AttentionDoutFirst(torch.autograd.Function):
         if dout_u is None:  # the output took no part in what was differentiated
             return None, None, None, None, None, None
         q, k, v, out, sinks, lse_body, lse_replicated, *heads = ctx.saved_tensors
-        first = (dout_u, dout_r)
+        saved = Saved.of(q, k, v, out, lse_body, lse_replicated, heads)
         if ctx.hand_over is not None and ctx.hand_over.take():  # Note [Saved tensors handed over]
-            tokens, shapes = [q, k, v, out], (q.shape, k.shape, v.shape)
-            del q, k, v, out
-            grads = hybrid_backward(ctx.setup, None, None, None, None, sinks, None, lse_body, lse_replicated, (),
-                                    shapes, tokens, first)
-        else:
-            grads = hybrid_backward(ctx.setup, None, q, k, v, sinks, out, lse_body, lse_replicated, tuple(heads),
-                                    dout_first=first)
+            del q, k, v, out  # the list holds the last references: each is freed once sent
+        grads = hybrid_backward(ctx.setup, DoutExchanged(dout_u, dout_r), saved, sinks)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
 
 
@@ -335,14 +330,14 @@ class _HeadGroups(torch.autograd.Function):
         for i, g in enumerate(groups):
             rows = slice(g.q_start, g.q_stop)
             n = ctx.head_counts[i]
+            saved = Saved.of(q[:, :, rows], g.kv(k), g.kv(v), out[:, :, rows], lses[2 * i], lses[2 * i + 1],
+                             heads[at:at + n])
             dq_g, dk_g, dv_g, ds_g = hybrid_backward(
-                g.setup, dout[:, :, rows], q[:, :, rows], g.kv(k), g.kv(v),
-                None if sinks is None else sinks[rows], out[:, :, rows], lses[2 * i], lses[2 * i + 1],
-                tuple(heads[at:at + n]),
+                g.setup, dout[:, :, rows], saved, None if sinks is None else sinks[rows]
             )
             at += n
             dqs.append(dq_g), dks.append(dk_g), dvs.append(dv_g), dss.append(ds_g)
-            del dq_g, dk_g, dv_g, ds_g
+            del dq_g, dk_g, dv_g, ds_g, saved
         dq = torch.cat(dqs, 2)  # every query head belongs to one group
         dsinks = None if sinks is None else torch.cat(dss)
         del dqs, dss

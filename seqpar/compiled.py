@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .parallel.hybrid import hybrid_backward, hybrid_forward
+from .parallel.hybrid import Saved, hybrid_backward, hybrid_forward
 from .checks import check_mask_options, check_scale
 from .parallel.merge import accumulator_dtype
 from .placement import Mask, MaskSlices
@@ -189,14 +189,10 @@ def _attention_backward_op(
                     chunk_size, softcap, scale, backend, prefix, suffix, slices, alibi)
     call = _keep_heads(call, keep)
     if keep:
-        dq, dk, dv, dsinks = hybrid_backward(
-            call.setup, to_bshd(dout, layout), None, None, None, sinks, None, lse_body, lse_replicated,
-            tuple(heads), (qb.shape, kb.shape, vb.shape),
-        )
+        saved = Saved([], (qb.shape, kb.shape, vb.shape), lse_body, lse_replicated, tuple(heads))
     else:
-        dq, dk, dv, dsinks = hybrid_backward(
-            call.setup, to_bshd(dout, layout), qb, kb, vb, sinks, to_bshd(out, layout), lse_body, lse_replicated
-        )
+        saved = Saved.of(qb, kb, vb, to_bshd(out, layout), lse_body, lse_replicated)
+    dq, dk, dv, dsinks = hybrid_backward(call.setup, to_bshd(dout, layout), saved, sinks)
     grads = [to_bshd(g, layout).contiguous() for g in (dq, dk, dv)]
     return (*grads, dsinks if dsinks is not None else dout.new_zeros(0))
 
@@ -267,11 +263,10 @@ def _varlen_backward_op(
     call = _keep_heads(call, keep)
     empty = lse.new_empty((1, dout.shape[1], 0))
     if keep:
-        dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], None, None, None, sinks, None, lse, empty,
-                                             tuple(heads), (call.qb.shape, call.kb.shape, call.vb.shape))
+        saved = Saved([], (call.qb.shape, call.kb.shape, call.vb.shape), lse, empty, tuple(heads))
     else:
-        dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], call.qb, call.kb, call.vb, sinks, out[None],
-                                             lse, empty)
+        saved = Saved.of(call.qb, call.kb, call.vb, out[None], lse, empty)
+    dq, dk, dv, dsinks = hybrid_backward(call.setup, dout[None], saved, sinks)
     return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous(), (
         dsinks if dsinks is not None else dout.new_zeros(0)
     )

@@ -237,8 +237,8 @@ def _rank_schedule(S: int) -> tuple[list, float]:
     ring = RingSetup(state.ring_group, plans[r], get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace=trace)
     run = AllGatherSetup(ring, gather_plan(plans, r))
     local = [seqpar.shard(t, state) for t in (q, k, v)]
-    out, lse = kv_forward(*local, None, None, None, run)
-    grads = kv_backward(seqpar.shard(dout, state), *local, None, None, None, out, lse, run)[:3]
+    out, lse = kv_forward(*local, None, None, run)
+    grads = kv_backward(seqpar.shard(dout, state), local[0], [local[1], local[2]], None, None, out, lse, run)[:3]
     errs = [_rel_err(out, seqpar.shard(ref, state))]
     errs += [_rel_err(g, seqpar.shard(x, state)) for g, x in zip(grads, ref_grads)]
     state.close()

@@ -235,8 +235,9 @@ def _trace_case(seq_len: int, mask: Mask) -> tuple:
     trace: list = []
     run = RingSetup(state.ring_group, plan, get_backend("cpu", "cpu", torch.float64), 8**-0.5, 0.0, trace=trace)
     local = [seqpar.shard(t, state) for t in (q, k, v)]
-    out, lse = ring_forward(*local, None, None, None, run)
-    grads = ring_backward(seqpar.shard(dout, state), *local, None, None, None, out, lse, run)[:3]
+    out, lse = ring_forward(*local, None, None, run)
+    q_l, k_l, v_l = local
+    grads = ring_backward(seqpar.shard(dout, state), q_l, [k_l, v_l], None, None, out, lse, run)[:3]
     errs = [(out - seqpar.shard(ref, state)).abs().max().item()]
     # Own K/V gradients are complete on their rank; dq is local.
     errs += [(g - seqpar.shard(r, state)).abs().max().item() for g, r in zip(grads, ref_grads)]

@@ -117,9 +117,9 @@ def _rank_schedule(S: int, mask: Mask, packed: bool) -> dict:
     mine = lambda t: seqpar.shard_packed(t[0], state, list(lens))[None] if packed else seqpar.shard(t, state)
 
     local = [mine(t) for t in (q, k, v)]
-    out, lse = ring_forward(*local, None, None, None, run)
+    out, lse = ring_forward(*local, None, None, run)
     n_fwd = len(trace)
-    grads = ring_backward(mine(dout), *local, None, None, None, out, lse, run)[:3]
+    grads = ring_backward(mine(dout), local[0], [local[1], local[2]], None, None, out, lse, run)[:3]
     errs = [_rel_err(out, mine(ref))] + [_rel_err(g, mine(x)) for g, x in zip(grads, ref_grads)]
     state.close()
     return dict(fwd=trace[:n_fwd], bwd=trace[n_fwd:], err=max(errs))

@@ -390,8 +390,7 @@ def _own_kv_case(comm: str, keep: bool) -> dict:
     ring_backward = ag_mod.ring_backward
 
     def spy_ring(*args, **kwargs):
-        handed = args[10] if len(args) > 10 else kwargs.get("handed")
-        own.extend(weakref.ref(t) for t in (handed if handed is not None else args[2:4]))
+        own.extend(weakref.ref(t) for t in args[2])  # the list [k, v] it may empty
         return ring_backward(*args, **kwargs)
 
     alive_at_kernel = _backward_with_kernel_spy(out, dout, own, [(ag_mod, "ring_backward", spy_ring)])

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..comm import start_all_gather, start_reduce_scatter
 from ..placement.gather import GatherPlan
-from .ring import RingSetup, Transport, ring_backward, ring_forward
+from .ring import Extra, RingSetup, Transport, ring_backward, ring_forward
 
 __all__ = ["AllGatherSetup", "AllGather", "kv_forward", "kv_backward"]
 
@@ -68,22 +68,19 @@ class AllGatherSetup:
 
 
 def kv_forward(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
-    run: RingSetup | AllGatherSetup,
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra: Extra, run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor]:
     """:func:`~seqpar.parallel.ring.ring_forward` with the transport ``run`` names."""
-    return ring_forward(q, k, v, sinks, extra_k, extra_v, _ring(run), run.transport())
+    return ring_forward(q, k, v, sinks, extra, _ring(run), run.transport())
 
 
 def kv_backward(
-    dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup | AllGatherSetup,
-    handed: list[Tensor] | None = None,
+    dout: Tensor, q: Tensor, kv: list[Tensor], sinks: Tensor | None, extra: Extra, out: Tensor, lse: Tensor,
+    run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor | None, ...]:
-    """:func:`~seqpar.parallel.ring.ring_backward` with the transport ``run`` names; ``handed``:
-    ``[k, v]`` instead of ``k, v``, for the p2p transports to free once sent (Note [Own K/V
-    released])."""
-    return ring_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, _ring(run), handed, run.transport())
+    """:func:`~seqpar.parallel.ring.ring_backward` with the transport ``run`` names (``kv``: the
+    list ``[k, v]`` the p2p transports empty once sent, Note [Own K/V released])."""
+    return ring_backward(dout, q, kv, sinks, extra, out, lse, _ring(run), run.transport())
 
 
 def _ring(run: RingSetup | AllGatherSetup) -> RingSetup:
@@ -101,8 +98,8 @@ class AllGather(Transport):
         super().__init__(run)
         self.gather = gather
 
-    def start(self, k: Tensor, v: Tensor, handed: list[Tensor] | None = None) -> None:
-        super().start(k, v)  # held to the end: the list is left as it is
+    def start(self, kv: list[Tensor]) -> None:
+        super().start(kv)  # held to the end: the list is never emptied
         self.pending = self.k_all = self.v_all = None  # the all-gather in flight, its K and V views
         self.grads = None  # (buffer, dK slots, dV slots) of the backward, once written
 

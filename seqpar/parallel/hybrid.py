@@ -37,12 +37,14 @@ from .allgather import AllGatherSetup, kv_backward, kv_forward
 from .merge import accumulator_dtype
 from .replicated import ReplicatedSetup, replicated_backward, replicated_forward
 from .ring import RingSetup
-from .ulysses import UlyssesSetup, heads_backward, heads_forward, ulysses_ring_backward, ulysses_ring_forward
+from .ulysses import (
+    DoutExchanged, Saved, UlyssesSetup, heads_backward, heads_forward, ulysses_ring_backward, ulysses_ring_forward,
+)
 
 __all__ = [
     "HybridSetup", "hybrid_forward", "hybrid_backward", "splits_at_heads", "to_head_shards",
     "head_grads_to_tokens", "head_shards_forward", "head_shards_backward", "out_to_tokens", "dout_to_heads",
-    "exchanges_dout_first", "dout_first_shapes", "dout_first", "hands_over",
+    "exchanges_dout_first", "dout_first_shapes", "dout_first", "hands_over", "Saved", "DoutExchanged",
 ]
 
 
@@ -66,19 +68,17 @@ class HybridSetup:
     suffix: int = 0
 
 
-def _body_forward(setup: HybridSetup, q, k, v, sinks, extra_k, extra_v) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+def _body_forward(setup: HybridSetup, q, k, v, sinks, extra) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     if setup.ulysses is None:
-        return (*kv_forward(q, k, v, sinks, extra_k, extra_v, setup.ring), ())
-    return ulysses_ring_forward(q, k, v, sinks, extra_k, extra_v, setup.ulysses, setup.ring)
+        return (*kv_forward(q, k, v, sinks, extra, setup.ring), ())
+    return ulysses_ring_forward(q, k, v, sinks, extra, setup.ulysses, setup.ring)
 
 
-def _body_backward(setup: HybridSetup, dout, q, k, v, sinks, extra_k, extra_v, out, lse, heads=(), shapes=(),
-                   tokens=None, dout_u=None):
+def _body_backward(setup: HybridSetup, dout: Tensor | DoutExchanged, saved: Saved, sinks, extra):
     if setup.ulysses is None:
-        return kv_backward(dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ring)
-    return ulysses_ring_backward(
-        dout, q, k, v, sinks, extra_k, extra_v, out, lse, setup.ulysses, setup.ring, heads, shapes, tokens, dout_u
-    )
+        q, k, v, out = saved.tokens
+        return kv_backward(dout, q, [k, v], sinks, extra, out, saved.lse, setup.ring)
+    return ulysses_ring_backward(dout, saved, sinks, extra, setup.ulysses, setup.ring)
 
 
 def hands_over(setup: HybridSetup) -> bool:
@@ -162,7 +162,7 @@ def head_shards_forward(
     """The ring over this rank's heads: ``(out_u, lse_u)``, ``[B, L, H_mine, Dv]`` and
     ``[B, H_mine, L]`` (Note [Head shards as a node])."""
     with _scope(setup):
-        return heads_forward(q_u, k_u, v_u, sinks, None, None, setup.ulysses, setup.ring)
+        return heads_forward(q_u, k_u, v_u, sinks, None, setup.ulysses, setup.ring)
 
 
 def head_shards_backward(
@@ -173,7 +173,7 @@ def head_shards_backward(
     gradients and this rank's partial ``dsinks`` (None without sinks)."""
     with _scope(setup):
         dq_u, dk_u, dv_u, dsinks, _, _ = heads_backward(
-            dout_u, q_u, k_u, v_u, out_u, lse_u, sinks, None, None, setup.ulysses, setup.ring
+            dout_u, q_u, [k_u, v_u], out_u, lse_u, sinks, None, setup.ulysses, setup.ring
         )
     return dq_u, dk_u, dv_u, dsinks
 
@@ -199,14 +199,14 @@ def dout_first_shapes(setup: HybridSetup, out: Tensor) -> tuple[torch.Size, torc
     return torch.Size((B, sum(spec.token_sizes), spec.mine.q_len, Dv)), torch.Size((B, p + s, H, Dv))
 
 
-def dout_first(setup: HybridSetup, dout: Tensor) -> tuple[Tensor, Tensor]:
+def dout_first(setup: HybridSetup, dout: Tensor) -> DoutExchanged:
     """The token shard's dout ``[B, S_local, H, Dv]`` as the backward needs it (Note [Dout
-    exchanged first]): ``(dout_u, dout_r)``, the shard's rows exchanged to this rank's heads
-    (:func:`dout_to_heads`) and a copy of the replicated rows (prefix then suffix; zero rows
-    without them), both tensors of their own."""
+    exchanged first]): the shard's rows exchanged to this rank's heads (:func:`dout_to_heads`)
+    and a copy of the replicated rows (prefix then suffix; zero rows without them), both tensors
+    of their own."""
     p, s = setup.prefix, setup.suffix
     dout_r = _replicated_rows(dout, p, s)
-    return dout_to_heads(setup, dout[:, p:dout.shape[1] - s]), dout_r
+    return DoutExchanged(dout_to_heads(setup, dout[:, p:dout.shape[1] - s]), dout_r)
 
 
 def dout_to_heads(setup: HybridSetup, dout: Tensor) -> Tensor:
@@ -236,17 +236,12 @@ def hybrid_forward(
 
 
 def hybrid_backward(
-    setup: HybridSetup, dout: Tensor | None, q: Tensor | None, k: Tensor | None, v: Tensor | None,
-    sinks: Tensor | None, out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor,
-    heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (), tokens: list[Tensor] | None = None,
-    dout_first: tuple[Tensor, Tensor] | None = None,
+    setup: HybridSetup, dout: Tensor | DoutExchanged, saved: Saved, sinks: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One call's backward (see :func:`_hybrid_backward`), its transfer buffers in one workspace
     scope (Note [Workspace])."""
     with _scope(setup):
-        return _hybrid_backward(
-            setup, dout, q, k, v, sinks, out, lse_body, lse_replicated, heads, shapes, tokens, dout_first
-        )
+        return _hybrid_backward(setup, dout, saved, sinks)
 
 
 _NO_SCOPE = contextlib.nullcontext()
@@ -273,33 +268,27 @@ def _hybrid_forward(setup: HybridSetup, q: Tensor, k: Tensor, v: Tensor, sinks: 
         S_ring_local)`` under Ulysses, ``(batch, nheads, S_local)`` without), ``lse_replicated``
         ``(batch, nheads, prefix + suffix)``, both in the accumulator dtype; ``heads`` the
         Ulysses head shards ``(q_u, k_u, v_u, out_u)`` with ``keep_head_shards``, else ``()``.
-        With the inputs (or, given the head shards and no replicated rows, only the inputs'
-        shapes) they are what :func:`hybrid_backward` needs.
+        With the inputs (:meth:`Saved.of`; given the head shards and no replicated rows, the
+        inputs' shapes suffice) they are what :func:`hybrid_backward` needs.
     """
     p, s = setup.prefix, setup.suffix
     if setup.replicated is None:
-        out, lse, heads = _body_forward(setup, q, k, v, sinks, None, None)
+        out, lse, heads = _body_forward(setup, q, k, v, sinks, None)
         return out, lse, q.new_empty((q.shape[0], q.shape[2], 0), dtype=accumulator_dtype(q.dtype)), heads
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
-    out_body, lse_body, heads = _body_forward(setup, q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r)
+    out_body, lse_body, heads = _body_forward(setup, q[:, rows], k[:, rows], v[:, rows], sinks, (k_r, v_r))
     out_r, lse_r = replicated_forward(q_r, k_r, v_r, k[:, rows], v[:, rows], sinks, setup.replicated)
     return _with_replicated(out_r, out_body.to(out_r.dtype), p), lse_body, lse_r, heads
 
 
 def _hybrid_backward(
-    setup: HybridSetup, dout: Tensor | None, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
-    out: Tensor | None, lse_body: Tensor, lse_replicated: Tensor, heads: tuple[Tensor, ...],
-    shapes: tuple[torch.Size, ...], tokens: list[Tensor] | None = None,
-    dout_first: tuple[Tensor, Tensor] | None = None,
+    setup: HybridSetup, dout: Tensor | DoutExchanged, saved: Saved, sinks: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """One call's backward from :func:`hybrid_forward`'s results; no autograd. Given the head
-    shards ``heads`` and no replicated rows, ``q, k, v, out`` may be None; ``shapes`` are then
-    q's, k's, v's. They are None too given ``tokens``, a list ``[q, k, v, out]`` the backward
-    empties as it sends them (:func:`hands_over` calls only; Note [Saved tensors handed over]).
-    ``dout_first``: instead of ``dout`` (None then), :func:`dout_first`'s ``(dout_u, dout_r)``:
-    the shard's rows of dout already exchanged to this rank's heads, and its replicated rows
-    (Ulysses only; Note [Dout exchanged first]).
+    """One call's backward from :func:`hybrid_forward`'s results (``saved``: its inputs, output,
+    LSEs and head shards; the token shards' list emptied as they are sent, Note [Saved tensors
+    handed over]); no autograd. ``dout``: the token shard's, or under Ulysses
+    :func:`dout_first`'s (Note [Dout exchanged first]).
 
     Returns:
         ``(dq, dk, dv, dsinks)`` shaped like ``q, k, v, sinks`` (``dsinks`` None without sinks).
@@ -308,25 +297,22 @@ def _hybrid_backward(
         rank that holds no query head (``H < ulysses_size``).
     """
     p, s = setup.prefix, setup.suffix
-    if dout_first is not None and setup.ulysses is None:
-        raise ValueError("hybrid_backward: dout_first (dout exchanged to head shards) needs a Ulysses group")
-    dout_u, dout_r = dout_first if dout_first is not None else (None, None)
+    exchanged = isinstance(dout, DoutExchanged)
+    if exchanged and setup.ulysses is None:
+        raise ValueError("hybrid_backward: dout exchanged to head shards needs a Ulysses group")
     if setup.replicated is None:
-        dq, dk, dv, dsinks, _, _ = _body_backward(
-            setup, dout, q, k, v, sinks, None, None, out, lse_body, heads, shapes, tokens, dout_u
-        )
-        return dq, dk, dv, dsinks
-    if tokens is not None:
-        raise ValueError("hybrid_backward: tokens are handed over only without replicated rows (hands_over)")
+        return _body_backward(setup, dout, saved, sinks, None)[:4]
+    # Calls with replicated rows keep their token shards (hands_over is false for them).
+    q, k, v, out = saved.tokens
     rows = slice(p, q.shape[1] - s)
     q_r, k_r, v_r = (_replicated_rows(t, p, s) for t in (q, k, v))
+    body = Saved.of(q[:, rows], k[:, rows], v[:, rows], out[:, rows], saved.lse, heads=saved.heads)
     dq_b, dk_b, dv_b, ds_b, dk_rb, dv_rb = _body_backward(
-        setup, None if dout_u is not None else dout[:, rows], q[:, rows], k[:, rows], v[:, rows], sinks, k_r, v_r,
-        out[:, rows], lse_body, heads, dout_u=dout_u,
+        setup, dout if exchanged else dout[:, rows], body, sinks, (k_r, v_r)
     )
     dq_r, dk_r, dv_r, dk_br, dv_br, ds_r = replicated_backward(
-        dout_r if dout_r is not None else _replicated_rows(dout, p, s), q_r, k_r, v_r, k[:, rows], v[:, rows], sinks,
-        _replicated_rows(out, p, s), lse_replicated, setup.replicated,
+        dout.replicated if exchanged else _replicated_rows(dout, p, s), q_r, k_r, v_r, k[:, rows], v[:, rows],
+        sinks, _replicated_rows(out, p, s), saved.lse_replicated, setup.replicated,
     )
     dsinks = None if sinks is None else ds_b + ds_r
     return (

@@ -97,8 +97,8 @@ Note [Own K/V released]
 A rank's own K/V are read by step 0's kernels and by the transfers that send its rows; once the
 last of those has completed (the K/V of the last step have arrived, so every send before them is
 done) nothing reads them. Under Ulysses they are the head shards the backward itself received,
-so ``ulysses_ring_backward`` hands them over (``handed=[k_u, v_u]``, holding no other reference)
-and the p2p transports empty the list there: they are freed before the remaining steps' kernels.
+so ``ulysses_ring_backward`` hands them over (the list ``kv = [k_u, v_u]`` of
+``ring_backward``, holding no other reference) and the p2p transports empty the list there: they are freed before the remaining steps' kernels.
 On a ring of 2 that is the one remote step, the layer's peak with H == Hkv (docs/performance.md).
 What outlives them -- their shapes and dtypes, for the gradients -- is kept in storage-less
 tensors (:attr:`Transport.like`). Ring-only calls read the token shards autograd saved, which stay
@@ -140,7 +140,11 @@ from ..placement.ring import (
 )
 from .merge import accumulator_dtype, add_sinks, merge_, new_accumulators, sinks_grad
 
-__all__ = ["RingSetup", "Transport", "P2P", "SerialP2P", "extra_block", "ring_forward", "ring_backward"]
+__all__ = ["RingSetup", "Transport", "P2P", "SerialP2P", "Extra", "extra_block", "ring_forward", "ring_backward"]
+
+# Replicated keys and values every query of the call also attends (joint attention's text rows,
+# Note [Replicated tokens]): ``(extra_k, extra_v)``, local to every rank, never sent; or None.
+Extra = tuple[Tensor, Tensor] | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -331,11 +335,11 @@ class _Output:
         return out.to(self.q.dtype), lse
 
 
-def extra_block(q: Tensor, extra_k: Tensor | None) -> BlockCall | None:
+def extra_block(q: Tensor, extra: Extra) -> BlockCall | None:
     """The one block of every query against the replicated extra keys (joint attention), or None."""
-    if extra_k is None or not extra_k.shape[1] or not q.shape[1]:
+    if extra is None or not extra[0].shape[1] or not q.shape[1]:
         return None
-    return BlockCall(0, q.shape[1], 0, extra_k.shape[1], (-1, -1))
+    return BlockCall(0, q.shape[1], 0, extra[0].shape[1], (-1, -1))
 
 
 def _local_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, dk: _Accumulator,
@@ -352,16 +356,16 @@ def _local_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulato
         del g_q, g_k, g_v
 
 
-def _extra_grads(run: RingSetup, dout, q, extra_k, extra_v, out, lse, dq: _Accumulator, cache: dict):
+def _extra_grads(run: RingSetup, dout, q, extra: Extra, out, lse, dq: _Accumulator, cache: dict):
     """``(dextra_k, dextra_v)`` accumulators of the replicated extra keys (None without them); their
     block's dQ goes into ``dq``."""
-    if extra_k is None:
+    if extra is None:
         return None
     acc = accumulator_dtype(q.dtype)
-    dextra = (_Accumulator(extra_k.shape, acc, q.device), _Accumulator(extra_v.shape, acc, q.device))
-    call = extra_block(q, extra_k)
+    dextra = tuple(_Accumulator(x.shape, acc, q.device) for x in extra)
+    call = extra_block(q, extra)
     if call is not None:
-        _, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, extra_k, extra_v, out, lse, cache)
+        _, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, *extra, out, lse, cache)
         dq.add(None, g_q)
         dextra[0].add(cols, g_k)
         dextra[1].add(cols, g_v)
@@ -438,11 +442,11 @@ class Transport:
         self.run = run
         self.steps = run.plan.steps
 
-    def start(self, k: Tensor, v: Tensor, handed: list[Tensor] | None = None) -> None:
-        """Take this rank's K/V (``[B, L, Hkv, D]`` / ``[..., Dv]``); ``handed``: the caller's
-        list ``[k, v]``, which the transport may empty once nothing reads them (Note [Own K/V
-        released])."""
-        self.k, self.v, self.handed = k, v, handed
+    def start(self, kv: list[Tensor]) -> None:
+        """Take this rank's K/V, the caller's list ``[k, v]`` (``[B, L, Hkv, D]`` / ``[..., Dv]``),
+        which the transport may empty once nothing reads them (Note [Own K/V released])."""
+        k, v = self.k, self.v = kv
+        self.handed = kv
         # Shapes, dtypes and device of k, v without their storage, for what outlives them.
         self.like = (k.new_empty((k.shape[0], 0, *k.shape[2:])), v.new_empty((v.shape[0], 0, *v.shape[2:])))
 
@@ -514,8 +518,8 @@ class P2P(Transport):
     """One hop per ring step, overlapping the kernels (Note [Ring schedule]): step ``i + 1``'s
     K/V travel while step ``i`` computes, step ``i``'s dK/dV while step ``i + 1`` does."""
 
-    def start(self, k: Tensor, v: Tensor, handed: list[Tensor] | None = None) -> None:
-        super().start(k, v, handed)
+    def start(self, kv: list[Tensor]) -> None:
+        super().start(kv)
         self.next = None  # (pending, k, v) of the step in flight
         self.grads_in = None  # (pending, dk rows, dv rows, ranges) of the own rows' dK/dV in flight
 
@@ -535,7 +539,7 @@ class P2P(Transport):
 
     def _release_own(self, i: int) -> None:
         """After step ``i``'s K/V arrived: the own K/V go if they were sent for the last time."""
-        if i == len(self.steps) - 1 and self.handed is not None:
+        if i == len(self.steps) - 1:
             self.k = self.v = None
             self.handed.clear()
 
@@ -608,8 +612,8 @@ class SerialP2P(P2P):
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, run: RingSetup, transport: Transport | None = None,
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra: Extra, run: RingSetup,
+    transport: Transport | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Ring attention forward on ring-local buffers (Note [Ring transports]); no autograd.
 
@@ -618,15 +622,15 @@ def ring_forward(
         k, v: ``[B, L, Hkv, D]`` / ``[B, L, Hkv, Dv]`` its keys and values (``Dv`` may differ
             from ``D``; K and V rows travel in separate buffers of their own widths).
         sinks: ``[H]`` sink logits or None.
-        extra_k, extra_v: ``[B, P, Hkv, D]`` / ``[B, P, Hkv, Dv]`` local keys every query
-            attends (or None).
+        extra: ``(extra_k, extra_v)``, ``[B, P, Hkv, D]`` / ``[B, P, Hkv, Dv]`` local keys every
+            query attends, or None.
         run: the ring's setup; transport: how K/V travel (default ``run.transport()``).
 
     Returns:
         ``out`` ``[B, L, H, Dv]`` in q's dtype and ``lse`` ``[B, H, L]`` in the accumulator dtype.
     """
     acc = accumulator_dtype(q.dtype)
-    if _single_block(run, q, k, extra_k):  # one process, or one Ulysses-inner step: the kernel alone
+    if _single_block(run, q, k, extra):  # one process, or one Ulysses-inner step: the kernel alone
         call = run.plan.steps[0].calls[0]
         out, lse = run.backend.kernel_forward(
             q, k, v, scale=run.scale, window=call.window, softcap=run.softcap, **_alibi(run, call)
@@ -635,7 +639,7 @@ def ring_forward(
             out, lse = add_sinks(out, lse.to(acc), sinks)
         return out, lse.to(acc)
     t = transport or run.transport()
-    t.start(k, v)
+    t.start([k, v])
     result = _Output(q, (*q.shape[:3], v.shape[-1]))
     cache: dict = {}
     for i, step in enumerate(run.plan.steps):
@@ -643,16 +647,15 @@ def ring_forward(
         t.record("compute", i)
         for call in step.calls:
             result.add(*_call_forward(run, call, q, k_i, v_i, cache))  # block results die here
-        if i == 0 and (call := extra_block(q, extra_k)) is not None:
-            result.add(*_call_forward(run, call, q, extra_k, extra_v, cache))
+        if i == 0 and (call := extra_block(q, extra)) is not None:
+            result.add(*_call_forward(run, call, q, *extra, cache))
         k_i = v_i = None  # dead transfer buffers, freed before the next step's or the cast
     return result.result(sinks)
 
 
 def ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, sinks: Tensor | None, extra_k: Tensor | None,
-    extra_v: Tensor | None, out: Tensor, lse: Tensor, run: RingSetup, handed: list[Tensor] | None = None,
-    transport: Transport | None = None,
+    dout: Tensor, q: Tensor, kv: list[Tensor], sinks: Tensor | None, extra: Extra, out: Tensor, lse: Tensor,
+    run: RingSetup, transport: Transport | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Ring attention backward (Note [Ring transports]); no autograd.
 
@@ -660,9 +663,9 @@ def ring_backward(
     its kernel results, rounded once); every rank sums what it receives for its own rows in the
     accumulator dtype.
 
-    ``handed``: instead of ``k, v`` (None then), the list ``[k, v]`` of a caller that holds no
-    other reference to them; the transport may empty it once their last transfer has completed,
-    so that they are freed before the remaining steps' kernels (Note [Own K/V released]).
+    ``kv``: this rank's ``[k, v]``, a list the transport may empty once their last transfer has
+    completed: a caller that holds no other reference to them frees them there, before the
+    remaining steps' kernels (Note [Own K/V released]). ``extra``: as in :func:`ring_forward`.
     ``transport``: how K/V and gradients travel (default ``run.transport()``).
 
     Returns:
@@ -670,9 +673,9 @@ def ring_backward(
         are the gradients of this rank's own K/V summed over every rank's queries.
     """
     acc = accumulator_dtype(q.dtype)
-    if handed is not None:
-        k, v = handed
-    if _single_block(run, q, k, extra_k):
+    k, v = kv
+    kv.clear()  # this call holds them now; the transport gets them in a list of its own
+    if _single_block(run, q, k, extra):
         call = run.plan.steps[0].calls[0]
         dq, dk, dv = run.backend.kernel_backward(
             dout, q, k, v, out, lse, scale=run.scale, window=call.window, softcap=run.softcap,
@@ -685,7 +688,7 @@ def ring_backward(
     dq = _Accumulator(q.shape, acc, q.device)
     dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
     t = transport or run.transport()
-    t.start(k, v, handed)
+    t.start([k, v])
     k = v = None  # the transport holds them for as long as it sends them (Note [Own K/V released])
     cache: dict = {}
     dextra = None
@@ -694,7 +697,7 @@ def ring_backward(
         t.record("compute", i)
         if i == 0:
             _local_grads(run, step.calls, dout, q, k_i, v_i, out, lse, dq, dk, dv, cache)
-            dextra = _extra_grads(run, dout, q, extra_k, extra_v, out, lse, dq, cache)
+            dextra = _extra_grads(run, dout, q, extra, out, lse, dq, cache)
             k_i = v_i = None
             continue
         gk = gv = None
@@ -712,11 +715,11 @@ def ring_backward(
     t = None
     dek = dev = None
     if dextra is not None:
-        dek, dev = dextra[0].take(extra_k.dtype), dextra[1].take(extra_v.dtype)
+        dek, dev = dextra[0].take(extra[0].dtype), dextra[1].take(extra[1].dtype)
     return dq.take(q.dtype), dk.take(like_k.dtype), dv.take(like_v.dtype), dsinks, dek, dev
 
 
-def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra_k: Tensor | None) -> bool:
+def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra: Extra) -> bool:
     """Whether the whole call is one kernel call on the whole buffers (no ring, no extra keys)."""
     steps = run.plan.steps
-    return len(steps) == 1 and extra_k is None and is_single_block(steps[0].calls, q.shape[1], k.shape[1])
+    return len(steps) == 1 and extra is None and is_single_block(steps[0].calls, q.shape[1], k.shape[1])

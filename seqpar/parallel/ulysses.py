@@ -14,6 +14,7 @@ import dataclasses
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,12 +35,12 @@ from ..placement.heads import HeadAssignment, all_heads, cached_head_assignments
 from ..placement.sizes import offsets, split_sizes
 from .merge import accumulator_dtype
 from .allgather import AllGatherSetup, kv_backward, kv_forward
-from .ring import RingSetup
+from .ring import Extra, RingSetup
 
 # head_assignments / HeadAssignment live in seqpar.placement.heads; re-exported under their old path.
 __all__ = [
     "ulysses_attention", "InnerAttention", "UlyssesSetup", "ulysses_ring_forward", "ulysses_ring_backward",
-    "HeadAssignment", "head_assignments", "heads_forward", "heads_backward",
+    "HeadAssignment", "head_assignments", "heads_forward", "heads_backward", "Saved", "DoutExchanged",
 ]
 
 
@@ -367,17 +368,23 @@ def _my_slopes(run: RingSetup | AllGatherSetup, mine) -> RingSetup | AllGatherSe
     return run if run.alibi is None else dataclasses.replace(run, alibi=mine.q_heads(run.alibi, 0))
 
 
+def _my_extra(mine: HeadAssignment, extra: Extra) -> Extra:
+    """This rank's K/V heads of the replicated keys and values (``[B, P, Hkv, D | Dv]`` each)."""
+    return None if extra is None else (mine.kv_heads(extra[0], 2), mine.kv_heads(extra[1], 2))
+
+
 def heads_forward(
-    q_u: Tensor, k_u: Tensor, v_u: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
-    spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
+    q_u: Tensor, k_u: Tensor, v_u: Tensor, sinks: Tensor | None, extra: Extra, spec: UlyssesSetup,
+    run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor]:
     """The ring over this rank's heads (no communication of its own besides the ring's).
 
     Args:
         q_u, k_u, v_u: ``(batch, L, H_mine | Hkv_mine, headdim | headdim_v)``, all ``L``
             ring-local tokens of this rank's heads (``UlyssesSetup.to_heads``).
-        sinks: ``(nheads,)`` or None; extra_k, extra_v: replicated keys (``(batch, P, nheads_kv,
-            headdim)`` / ``(..., headdim_v)``) or None; spec, run: as in :func:`ulysses_ring_forward`.
+        sinks: ``(nheads,)`` or None; extra: the replicated ``(extra_k, extra_v)`` of every head
+            (``(batch, P, nheads_kv, headdim)`` / ``(..., headdim_v)``) or None; spec, run: as in
+            :func:`ulysses_ring_forward`.
 
     Returns:
         ``out_u`` ``(batch, L, H_mine, headdim_v)`` and ``lse_u`` ``(batch, H_mine, L)``.
@@ -387,63 +394,91 @@ def heads_forward(
         out_u = q_u.new_zeros((*q_u.shape[:3], v_u.shape[-1]))
         return out_u, q_u.new_zeros((q_u.shape[0], 0, q_u.shape[1]), dtype=accumulator_dtype(q_u.dtype))
     return kv_forward(
-        q_u, _expand(mine, k_u), _expand(mine, v_u),
-        None if sinks is None else mine.q_heads(sinks, 0),
-        None if extra_k is None else mine.kv_heads(extra_k, 2),
-        None if extra_v is None else mine.kv_heads(extra_v, 2), _my_slopes(run, mine),
+        q_u, _expand(mine, k_u), _expand(mine, v_u), None if sinks is None else mine.q_heads(sinks, 0),
+        _my_extra(mine, extra), _my_slopes(run, mine),
     )
 
 
 def heads_backward(
-    dout_u: Tensor, q_u: Tensor, k_u: Tensor | None, v_u: Tensor | None, out_u: Tensor, lse_u: Tensor,
-    sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None, spec: UlyssesSetup,
-    run: RingSetup | AllGatherSetup, expanded: bool = False, handed: list[Tensor] | None = None,
+    dout_u: Tensor, q_u: Tensor, kv_u: list[Tensor], out_u: Tensor, lse_u: Tensor, sinks: Tensor | None,
+    extra: Extra, spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of :func:`heads_forward`: ``(dq_u, dk_u, dv_u)`` shaped like the received
     ``q_u, k_u, v_u`` (expanded K/V heads summed back), and this rank's partial ``(dsinks,
-    dextra_k, dextra_v)`` in the full shapes of ``sinks``, ``extra_k``, ``extra_v`` (None where
-    those are None). ``expanded``: ``k_u``, ``v_u`` are already expanded to the kernel's heads
-    (the received heads then die before the kernels). ``handed``: ``[k_u, v_u]`` instead of
-    ``k_u, v_u`` (None then) from a caller that holds no other reference, for the ring to free
-    once sent (Note [Own K/V released] in ``seqpar.parallel.ring``)."""
+    dextra_k, dextra_v)`` in the full shapes of ``sinks`` and ``extra`` (None where those are
+    None). ``kv_u``: the received ``[k_u, v_u]``, a list this call empties: it expands them to
+    the kernel's heads in place and the ring lets them go once sent, so a caller that holds no
+    other reference frees the received heads before the kernels and the expanded ones before the
+    last steps (Note [Ulysses memory], Note [Own K/V released] in ``seqpar.parallel.ring``)."""
     mine = spec.mine
-    if handed is not None and not mine.q_len:
-        k_u, v_u = handed
     if not mine.q_len:  # no head here: zero shares, so every rank returns the same gradients (sum over CP)
-        return (
-            torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u),
-            None if sinks is None else torch.zeros_like(sinks),
-            None if extra_k is None else torch.zeros_like(extra_k),
-            None if extra_v is None else torch.zeros_like(extra_v),
-        )
-    s = None if sinks is None else mine.q_heads(sinks, 0)
-    ek = None if extra_k is None else mine.kv_heads(extra_k, 2)
-    ev = None if extra_v is None else mine.kv_heads(extra_v, 2)
-    if handed is not None:
-        if not expanded:
-            handed[:] = [_expand(mine, t) for t in handed]
-    elif not expanded:
-        k_u, v_u = _expand(mine, k_u), _expand(mine, v_u)
+        k_u, v_u = kv_u
+        kv_u.clear()
+        zeros = [None if x is None else torch.zeros_like(x) for x in (sinks, *(extra or (None, None)))]
+        return (torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u), *zeros)
+    kv_u[:] = [_expand(mine, x) for x in kv_u]
     dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(
-        dout_u, q_u, k_u, v_u, s, ek, ev, out_u, lse_u, _my_slopes(run, mine), handed
+        dout_u, q_u, kv_u, None if sinks is None else mine.q_heads(sinks, 0), _my_extra(mine, extra), out_u, lse_u,
+        _my_slopes(run, mine),
     )
+    extra_k, extra_v = extra or (None, None)
     return (
         dq_u, _unexpand(mine, dk_u), _unexpand(mine, dv_u), _place(mine, ds, sinks, "q", 0),
         _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2),
     )
 
 
+@dataclass(eq=False)
+class Saved:
+    """What a call's forward leaves its backward besides dout (:func:`ulysses_ring_backward`,
+    ``seqpar.parallel.hybrid.hybrid_backward``).
+
+    Attributes:
+        tokens: the token shards ``[q, k, v, out]``, a list the Ulysses backward empties as it
+            sends each one: a caller that holds no other reference hands them over, and each is
+            freed once sent (Note [Saved tensors handed over] in ``seqpar.saved``). Empty where the
+            forward kept the head shards instead and the caller did not keep them.
+        shapes: q's, k's and v's shapes (the gradients' shapes).
+        lse: the LSE of the shard's rows: ``(batch, H_mine, L)`` under Ulysses, ``(batch, nheads,
+            S_local)`` without.
+        lse_replicated: the replicated rows' LSE ``(batch, nheads, prefix + suffix)``.
+        heads: the head shards ``(q_u, k_u, v_u, out_u)`` the forward kept (``keep_head_shards``,
+            Note [Ulysses memory]), else ``()``; given them, the backward sends only dout.
+    """
+
+    tokens: list[Tensor]
+    shapes: tuple[torch.Size, torch.Size, torch.Size]
+    lse: Tensor
+    lse_replicated: Tensor | None = None
+    heads: tuple[Tensor, ...] = ()
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, lse_replicated: Tensor | None = None,
+           heads: Sequence[Tensor] = ()) -> Saved:
+        """The forward's tensors as saved (the list holds the caller's references)."""
+        return cls([q, k, v, out], (q.shape, k.shape, v.shape), lse, lse_replicated, tuple(heads))
+
+
+class DoutExchanged(NamedTuple):
+    """dout as an eager Ulysses backward receives it (Note [Dout exchanged first] in
+    ``seqpar.parallel.hybrid``): the shard's rows already on this rank's heads, ``heads``
+    ``[B, L, H_mine, Dv]``, and the replicated rows ``[B, prefix + suffix, H, Dv]``."""
+
+    heads: Tensor
+    replicated: Tensor
+
+
 def ulysses_ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra_k: Tensor | None, extra_v: Tensor | None,
-    spec: UlyssesSetup, run: RingSetup | AllGatherSetup,
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, extra: Extra, spec: UlyssesSetup,
+    run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
     """Ulysses around the ring (no autograd; Note [Ulysses memory]).
 
     Args:
         q: ``(batch, seqlen_local, nheads, headdim)``, this rank's token shard.
         k, v: ``(batch, seqlen_local, nheads_kv, headdim)`` / ``(..., headdim_v)``.
-        sinks: ``(nheads,)`` or None; extra_k, extra_v: ``(batch, P, nheads_kv, headdim)`` /
-            ``(..., headdim_v)`` replicated keys every query also attends, or None.
+        sinks: ``(nheads,)`` or None; extra: ``(extra_k, extra_v)``, ``(batch, P, nheads_kv,
+            headdim)`` / ``(..., headdim_v)`` replicated keys every query also attends, or None.
         spec: the Ulysses group and layout; run: the ring over this rank's heads.
 
     Returns:
@@ -456,7 +491,7 @@ def ulysses_ring_forward(
         q_u, k_u, v_u = spec.to_heads_each([q, k, v], "qkk", kept=True)
     else:
         q_u, k_u, v_u = spec.to_heads([q, k, v], "qkk", "ulysses.heads")
-    out_u, lse_u = heads_forward(q_u, k_u, v_u, sinks, extra_k, extra_v, spec, run)
+    out_u, lse_u = heads_forward(q_u, k_u, v_u, sinks, extra, spec, run)
     heads = (q_u, k_u, v_u, out_u) if spec.keep_head_shards else ()
     del q_u, k_u, v_u
     staged = [out_u]
@@ -465,46 +500,33 @@ def ulysses_ring_forward(
 
 
 def ulysses_ring_backward(
-    dout: Tensor, q: Tensor | None, k: Tensor | None, v: Tensor | None, sinks: Tensor | None,
-    extra_k: Tensor | None, extra_v: Tensor | None, out: Tensor | None, lse_u: Tensor, spec: UlyssesSetup,
-    run: RingSetup | AllGatherSetup, heads: tuple[Tensor, ...] = (), shapes: tuple[torch.Size, ...] = (),
-    tokens: list[Tensor] | None = None, dout_u: Tensor | None = None,
+    dout: Tensor | DoutExchanged, saved: Saved, sinks: Tensor | None, extra: Extra, spec: UlyssesSetup,
+    run: RingSetup | AllGatherSetup,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks, dextra_k, dextra_v)`` from :func:`ulysses_ring_forward`'s
-    ``out`` and ``lse_u``. With the forward's head shards ``heads`` (``keep_head_shards``) only
-    ``dout`` travels, and ``q, k, v, out`` may be None: ``shapes`` then gives q's, k's and v's.
-    ``tokens``: instead of ``q, k, v, out`` (None then, ``shapes`` given), a list of them that
-    the call empties as it sends each one, so that each is freed once sent (Note [Saved tensors
-    handed over] in ``seqpar.saved``). ``dout_u``: dout already exchanged to this rank's heads
-    (``[B, L, H_mine, Dv]``, :meth:`UlyssesSetup.to_heads_each`), ``dout`` None then (Note
-    [Dout exchanged first] in ``seqpar.parallel.hybrid``)."""
-    exchanged = dout_u is not None
-    if heads:
-        q_u, k_u, v_u, out_u = heads
+    results. ``dout``: the token shard's, or already exchanged to this rank's heads (Note [Dout
+    exchanged first] in ``seqpar.parallel.hybrid``). Given the forward's head shards
+    (``saved.heads``) only dout travels; else the token shards of ``saved.tokens`` do, one at a
+    time, the list emptied as each is sent."""
+    exchanged = isinstance(dout, DoutExchanged)
+    dout_u = dout.heads if exchanged else None
+    if saved.heads:
+        q_u, k_u, v_u, out_u = saved.heads
         if not exchanged:
             (dout_u,) = spec.to_heads_each([dout], "q")
-        shapes = shapes or (q.shape, k.shape, v.shape)
     else:
-        if tokens is None:
-            shapes = (q.shape, k.shape, v.shape)
-            tokens = [q, k, v, out]
-            del q, k, v, out
+        tokens = saved.tokens
         if not exchanged:
             tokens.append(dout)
-            del dout
+        del dout  # the list holds this function's last reference: dropped once sent
         q_u, k_u, v_u, out_u, *rest = spec.to_heads_each(tokens, "qkkqq"[:len(tokens)])
         dout_u = dout_u if exchanged else rest[0]
         del rest
-    expanded = not heads and spec.mine.q_len > 0 and spec.mine.kv_index is not None
-    if expanded:  # the received K/V heads die here, before the kernels (Note [Ulysses memory])
-        k_u, v_u = _expand(spec.mine, k_u), _expand(spec.mine, v_u)
-    heads = ()
-    handed = [k_u, v_u]  # the ring frees them once sent (Note [Own K/V released])
+    dout = None
+    kv_u = [k_u, v_u]  # emptied by heads_backward: the received K/V go before the kernels
     del k_u, v_u
-    dq_u, dk_u, dv_u, dsinks, dek, dev = heads_backward(
-        dout_u, q_u, None, None, out_u, lse_u, sinks, extra_k, extra_v, spec, run, expanded, handed
-    )
+    dq_u, dk_u, dv_u, dsinks, dek, dev = heads_backward(dout_u, q_u, kv_u, out_u, saved.lse, sinks, extra, spec, run)
     staged = [dq_u, dk_u, dv_u]
-    del dq_u, dk_u, dv_u, q_u, out_u, dout_u, handed
-    dq, dk, dv = spec.grads_to_tokens(staged, list(shapes), "qkk")
+    del dq_u, dk_u, dv_u, q_u, out_u, dout_u
+    dq, dk, dv = spec.grads_to_tokens(staged, list(saved.shapes), "qkk")
     return dq, dk, dv, dsinks, dek, dev

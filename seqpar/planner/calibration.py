@@ -202,8 +202,8 @@ def calibrate(
         run = RingSetup(group, plan, backend, scale, 0.0, Workspace())
 
         def ring_step() -> None:  # forward and backward, as in training
-            out, lse = ring_forward(q, k, v, None, None, None, run)
-            ring_backward(dout, q, k, v, None, None, None, out, lse, run)
+            out, lse = ring_forward(q, k, v, None, None, run)
+            ring_backward(dout, q, [k, v], None, None, out, lse, run)
 
         times["ring.real"] = _median(ring_step, repeats, device, group)
 

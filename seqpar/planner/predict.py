@@ -728,8 +728,12 @@ def _memory(
         for size, n_kv, expanded, group_heads in groups:
             a = group_heads[u]
             h, kv = a.q_len, a.kernel_kv_heads
-            # the ring frees the K/V the kernels read once sent (Note [Own K/V released])
-            own_heads = (a.kv_len if a.kv_index is None else kv) if U > 1 and h and not keep_head_shards else 0
+            # the ring frees the K/V the kernels read once sent (Note [Own K/V released]): the
+            # received head shards, or their copies expanded to the kernel's heads (the kept
+            # head shards themselves stay with the forward's saved tensors)
+            own_heads = 0
+            if U > 1 and h:
+                own_heads = kv if a.kv_index is not None else (0 if keep_head_shards else a.kv_len)
             if h and (h, kv, own_heads) not in peaks:
                 peaks[h, kv, own_heads] = _ring_peaks(table, h, kv, own_heads, unit, B, e, acc, gather_width, serial,
                                                       expands)
