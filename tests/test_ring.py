@@ -383,7 +383,7 @@ def _sent_gradients_case(seq_len: int, packed: bool, backend: str = "cpu", kv_he
     import seqpar.parallel.ring as ring_mod
 
     kernel_results, sent, roles = [], [], []
-    call_backward, remote_grads, buffer = ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer
+    call_backward, remote_grads, buffer = ring_mod._Queries.grads, ring_mod._remote_grads, ring_mod._buffer
 
     def spy_call(*args, **kwargs):
         result = call_backward(*args, **kwargs)
@@ -399,7 +399,7 @@ def _sent_gradients_case(seq_len: int, packed: bool, backend: str = "cpu", kv_he
         roles.append(role)
         return buffer(run, role, *args)
 
-    ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer = spy_call, spy_remote, spy_buffer
+    ring_mod._Queries.grads, ring_mod._remote_grads, ring_mod._buffer = spy_call, spy_remote, spy_buffer
     try:
         state = ParallelState(ring_size=torch.distributed.get_world_size())
         q, k, v, dout = _full_inputs(seq_len, 1, 4, kv_heads, 8, seed=11)
@@ -427,7 +427,7 @@ def _sent_gradients_case(seq_len: int, packed: bool, backend: str = "cpu", kv_he
         want = [shard(t) for t in (ref.detach(), *(t.grad for t in leaves))]
         err = max((a.detach() - b).abs().max().item() for a, b in zip([out, *(t.grad for t in local)], want))
     finally:
-        ring_mod._call_backward, ring_mod._remote_grads, ring_mod._buffer = call_backward, remote_grads, buffer
+        ring_mod._Queries.grads, ring_mod._remote_grads, ring_mod._buffer = call_backward, remote_grads, buffer
     results = {id(t) for pair in kernel_results for t in pair}
     return {
         "err": err,

@@ -245,32 +245,6 @@ def _call_forward(run: RingSetup, call, q: Tensor, k: Tensor, v: Tensor, cache: 
     return None, out[None], lse[None]
 
 
-def _call_backward(run: RingSetup, call, dout, q, k, v, out, lse, cache: dict):
-    """``(query rows, key rows, dq, dk, dv)`` of one kernel call (rows ``None``: everything)."""
-    b = run.backend
-    if isinstance(call, BlockCall):
-        rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
-        grads = b.kernel_backward(
-            dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows],
-            scale=run.scale, window=call.window, softcap=run.softcap, **_alibi(run, call),
-        )
-        return (rows, cols, *grads)
-    g_q, g_k, g_v = b.kernel_varlen_backward(
-        dout[0], q[0], k[0], v[0], out[0], lse[0], _packing(call, b, q.device, cache),
-        scale=run.scale, window=call.window, softcap=run.softcap,
-    )
-    return None, None, g_q[None], g_k[None], g_v[None]
-
-
-def _call_backward_into(run: RingSetup, call: SegmentCall, dout, q, k, v, out, lse, grads, cache: dict) -> None:
-    """Add one varlen call's gradients into ``grads = (dq, dk, dv)`` (``[1, L, ...]`` each)."""
-    run.backend.kernel_varlen_backward_into(
-        tuple(g[0] for g in grads), dout[0], q[0], k[0], v[0], out[0], lse[0],
-        _packing(call, run.backend, q.device, cache), scale=run.scale, window=call.window,
-        softcap=run.softcap,
-    )
-
-
 class _Accumulator:
     """A sum over kernel results along dim 1, in ``dtype``: the first result that covers every
     row *becomes* the accumulator (no zero-filled buffer, no copy when the dtype matches)."""
@@ -302,6 +276,46 @@ class _Accumulator:
         before the next accumulator's cast allocates."""
         value, self.value = self.result(), None
         return value.to(dtype)
+
+
+@dataclass(eq=False)
+class _Queries:
+    """What every kernel call of one ring backward reads besides a step's K/V (this rank's
+    queries, their output, dout and LSE; the call's packings), and where their dQ goes."""
+
+    run: RingSetup
+    dout: Tensor
+    q: Tensor
+    out: Tensor
+    lse: Tensor
+    dq: _Accumulator
+    cache: dict
+
+    def grads(self, call, k: Tensor, v: Tensor):
+        """``(query rows, key rows, dq, dk, dv)`` of one kernel call (rows ``None``: everything)."""
+        run, b = self.run, self.run.backend
+        dout, q, out, lse = self.dout, self.q, self.out, self.lse
+        if isinstance(call, BlockCall):
+            rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
+            grads = b.kernel_backward(
+                dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[..., rows],
+                scale=run.scale, window=call.window, softcap=run.softcap, **_alibi(run, call),
+            )
+            return (rows, cols, *grads)
+        g_q, g_k, g_v = b.kernel_varlen_backward(
+            dout[0], q[0], k[0], v[0], out[0], lse[0], _packing(call, b, q.device, self.cache),
+            scale=run.scale, window=call.window, softcap=run.softcap,
+        )
+        return None, None, g_q[None], g_k[None], g_v[None]
+
+    def grads_into(self, call: SegmentCall, k: Tensor, v: Tensor, dk: Tensor, dv: Tensor) -> None:
+        """Add one varlen call's dQ into ``dq`` and its dK/dV into ``dk``, ``dv`` (``[1, L, ...]``)."""
+        run = self.run
+        self.run.backend.kernel_varlen_backward_into(
+            (self.dq.result()[0], dk[0], dv[0]), self.dout[0], self.q[0], k[0], v[0], self.out[0], self.lse[0],
+            _packing(call, run.backend, self.q.device, self.cache), scale=run.scale, window=call.window,
+            softcap=run.softcap,
+        )
 
 
 class _Output:
@@ -342,57 +356,55 @@ def extra_block(q: Tensor, extra: Extra) -> BlockCall | None:
     return BlockCall(0, q.shape[1], 0, extra[0].shape[1], (-1, -1))
 
 
-def _local_grads(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, dk: _Accumulator,
-                 dv: _Accumulator, cache: dict) -> None:
-    """Add the gradients of the calls on this rank's own K/V (step 0) into ``dq``, ``dk``, ``dv``."""
+def _local_grads(qs: _Queries, calls, k: Tensor, v: Tensor, dk: _Accumulator, dv: _Accumulator) -> None:
+    """Add the gradients of the calls on this rank's own K/V (step 0) into ``qs.dq``, ``dk``, ``dv``."""
     for call in calls:
         if isinstance(call, SegmentCall):  # added in place, sequence by sequence
-            _call_backward_into(run, call, dout, q, k, v, out, lse, (dq.result(), dk.result(), dv.result()), cache)
+            qs.grads_into(call, k, v, dk.result(), dv.result())
             continue
-        rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
-        dq.add(rows, g_q)
+        rows, cols, g_q, g_k, g_v = qs.grads(call, k, v)
+        qs.dq.add(rows, g_q)
         dk.add(cols, g_k)
         dv.add(cols, g_v)
         del g_q, g_k, g_v
 
 
-def _extra_grads(run: RingSetup, dout, q, extra: Extra, out, lse, dq: _Accumulator, cache: dict):
+def _extra_grads(qs: _Queries, extra: Extra):
     """``(dextra_k, dextra_v)`` accumulators of the replicated extra keys (None without them); their
-    block's dQ goes into ``dq``."""
+    block's dQ goes into ``qs.dq``."""
     if extra is None:
         return None
-    acc = accumulator_dtype(q.dtype)
-    dextra = tuple(_Accumulator(x.shape, acc, q.device) for x in extra)
-    call = extra_block(q, extra)
+    acc = accumulator_dtype(qs.q.dtype)
+    dextra = tuple(_Accumulator(x.shape, acc, qs.q.device) for x in extra)
+    call = extra_block(qs.q, extra)
     if call is not None:
-        _, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, *extra, out, lse, cache)
-        dq.add(None, g_q)
+        _, cols, g_q, g_k, g_v = qs.grads(call, *extra)
+        qs.dq.add(None, g_q)
         dextra[0].add(cols, g_k)
         dextra[1].add(cols, g_v)
     return dextra
 
 
-def _remote_grads(run: RingSetup, t: Transport, i: int, dout, q, k, v, out, lse, dq: _Accumulator,
-                  cache: dict) -> tuple[Tensor, Tensor]:
+def _remote_grads(qs: _Queries, t: Transport, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """dQ of step ``i``'s calls on a remote rank's K/V rows (``k``, ``v``: that step's compact
-    buffers) into ``dq``; returns their dK/dV in the dtype of this rank's own k, v, to be sent
+    buffers) into ``qs.dq``; returns their dK/dV in the dtype of this rank's own k, v, to be sent
     back by ``t`` (Note [Gradients sent as computed]): the kernel's own results where the step is
     one call over every row and ``t`` sends them as they are, else ``t``'s buffers, written."""
+    run = qs.run
     step = run.plan.steps[i]
-    expanded = run.backend.backward_expands_kv_heads and q.shape[2] > t.like[0].shape[2]
+    expanded = run.backend.backward_expands_kv_heads and qs.q.shape[2] > t.like[0].shape[2]
     if t.sends_kernel_results and sent_as_computed(step.calls, step.kv_len, expanded=expanded):
         # One kernel call whose results are every row: they travel as they are.
-        rows, _, g_q, g_k, g_v = _call_backward(run, step.calls[0], dout, q, k, v, out, lse, cache)
-        dq.add(rows, g_q)
+        rows, _, g_q, g_k, g_v = qs.grads(step.calls[0], k, v)
+        qs.dq.add(rows, g_q)
         return g_k, g_v
     gk, gv = t.grad_buffers(i)
-    _remote_grads_into(run, step.calls, dout, q, k, v, out, lse, dq, gk, gv, cache)
+    _remote_grads_into(qs, step.calls, k, v, gk, gv)
     return gk, gv
 
 
-def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accumulator, gk: Tensor, gv: Tensor,
-                       cache: dict) -> None:
-    """dQ of the calls on a remote rank's K/V rows into ``dq``; their dK/dV into ``gk`` / ``gv``
+def _remote_grads_into(qs: _Queries, calls, k: Tensor, v: Tensor, gk: Tensor, gv: Tensor) -> None:
+    """dQ of the calls on a remote rank's K/V rows into ``qs.dq``; their dK/dV into ``gk`` / ``gv``
     (``[B, rows, ...]`` in the input dtype; every row is written, as every row of a step's compact
     buffer is read by some call): directly when the calls read disjoint key rows, else summed in the
     accumulator dtype first (segments, shared key rows; in ``gk`` / ``gv`` themselves when they
@@ -400,24 +412,24 @@ def _remote_grads_into(run: RingSetup, calls, dout, q, k, v, out, lse, dq: _Accu
     calls = split_wide_blocks(calls)
     if not sums_keys(calls):
         for call in calls:
-            rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
-            dq.add(rows, g_q)
+            rows, cols, g_q, g_k, g_v = qs.grads(call, k, v)
+            qs.dq.add(rows, g_q)
             (gk if cols is None else gk[:, cols]).copy_(g_k)
             (gv if cols is None else gv[:, cols]).copy_(g_v)
             del g_q, g_k, g_v
         return
-    acc = accumulator_dtype(q.dtype)
+    acc = accumulator_dtype(qs.q.dtype)
     if gk.dtype == gv.dtype == acc:
         sum_k, sum_v = gk.zero_(), gv.zero_()
     else:
-        sum_k = _buffer(run, "ring.sum_grad_k", tuple(gk.shape), gk, acc).zero_()
-        sum_v = _buffer(run, "ring.sum_grad_v", tuple(gv.shape), gv, acc).zero_()
+        sum_k = _buffer(qs.run, "ring.sum_grad_k", tuple(gk.shape), gk, acc).zero_()
+        sum_v = _buffer(qs.run, "ring.sum_grad_v", tuple(gv.shape), gv, acc).zero_()
     for call in calls:
         if isinstance(call, SegmentCall):
-            _call_backward_into(run, call, dout, q, k, v, out, lse, (dq.result(), sum_k, sum_v), cache)
+            qs.grads_into(call, k, v, sum_k, sum_v)
             continue
-        rows, cols, g_q, g_k, g_v = _call_backward(run, call, dout, q, k, v, out, lse, cache)
-        dq.add(rows, g_q)
+        rows, cols, g_q, g_k, g_v = qs.grads(call, k, v)
+        qs.dq.add(rows, g_q)
         sum_k[:, cols] += g_k
         sum_v[:, cols] += g_v
         del g_q, g_k, g_v
@@ -685,24 +697,23 @@ def ring_backward(
         return dq, dk, dv, dsinks, None, None
     # First, while no step buffer exists: its [B, L, H] product is the size of the output.
     dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
-    dq = _Accumulator(q.shape, acc, q.device)
+    qs = _Queries(run, dout, q, out, lse, _Accumulator(q.shape, acc, q.device), {})
     dk, dv = _Accumulator(k.shape, acc, k.device), _Accumulator(v.shape, acc, v.device)
     t = transport or run.transport()
     t.start([k, v])
     k = v = None  # the transport holds them for as long as it sends them (Note [Own K/V released])
-    cache: dict = {}
     dextra = None
     for i, step in enumerate(run.plan.steps):
         k_i, v_i = t.kv(i)
         t.record("compute", i)
         if i == 0:
-            _local_grads(run, step.calls, dout, q, k_i, v_i, out, lse, dq, dk, dv, cache)
-            dextra = _extra_grads(run, dout, q, extra, out, lse, dq, cache)
+            _local_grads(qs, step.calls, k_i, v_i, dk, dv)
+            dextra = _extra_grads(qs, extra)
             k_i = v_i = None
             continue
         gk = gv = None
         if step.calls:
-            gk, gv = _remote_grads(run, t, i, dout, q, k_i, v_i, out, lse, dq, cache)
+            gk, gv = _remote_grads(qs, t, i, k_i, v_i)
         # This step's K/V are read for the last time: free them before the transport allocates
         # the buffers that receive this rank's own dK/dV (Note [Step buffers released]).
         k_i = v_i = None
@@ -716,7 +727,7 @@ def ring_backward(
     dek = dev = None
     if dextra is not None:
         dek, dev = dextra[0].take(extra[0].dtype), dextra[1].take(extra[1].dtype)
-    return dq.take(q.dtype), dk.take(like_k.dtype), dv.take(like_v.dtype), dsinks, dek, dev
+    return qs.dq.take(q.dtype), dk.take(like_k.dtype), dv.take(like_v.dtype), dsinks, dek, dev
 
 
 def _single_block(run: RingSetup, q: Tensor, k: Tensor, extra: Extra) -> bool:
