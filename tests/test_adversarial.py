@@ -298,6 +298,10 @@ def _live_groups(leave_a_state: bool) -> int:
     n = len(_groups())
     if leave_a_state:
         ParallelState(2, 2)  # dropped without close(): its groups stay alive until the pool cleans up
+        # Every rank's groups connected before any rank's pool destroys its own: a rank that
+        # leaves first closes sockets a slower rank's gloo may still be connecting (seen once in
+        # a full run: "Connection closed by peer" in connectFullMesh).
+        dist.barrier()
     return n
 
 
