@@ -129,6 +129,7 @@ def test_bad_calls_are_refused():
 # The plan
 
 
+@pytest.mark.slow  # host maths over 280 plans (3.6 s); the masks' exactness on ranks stays quick
 def test_plans_compute_exactly_the_mask():
     n = 0
     for S in (13, 37):
