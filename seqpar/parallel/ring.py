@@ -97,8 +97,9 @@ Note [Own K/V released]
 A rank's own K/V are read by step 0's kernels and by the transfers that send its rows; once the
 last of those has completed (the K/V of the last step have arrived, so every send before them is
 done) nothing reads them. Under Ulysses they are the head shards the backward itself received,
-so ``ulysses_ring_backward`` hands them over (the list ``kv = [k_u, v_u]`` of
-``ring_backward``, holding no other reference) and the p2p transports empty the list there: they are freed before the remaining steps' kernels.
+so ``ulysses_ring_backward`` hands them over (``ring_backward``'s list ``kv = [k_u, v_u]``,
+holding no other reference) and the p2p transports empty the list there: they are freed before
+the remaining steps' kernels.
 On a ring of 2 that is the one remote step, the layer's peak with H == Hkv (docs/performance.md).
 What outlives them -- their shapes and dtypes, for the gradients -- is kept in storage-less
 tensors (:attr:`Transport.like`). Ring-only calls read the token shards autograd saved, which stay
@@ -311,7 +312,7 @@ class _Queries:
     def grads_into(self, call: SegmentCall, k: Tensor, v: Tensor, dk: Tensor, dv: Tensor) -> None:
         """Add one varlen call's dQ into ``dq`` and its dK/dV into ``dk``, ``dv`` (``[1, L, ...]``)."""
         run = self.run
-        self.run.backend.kernel_varlen_backward_into(
+        run.backend.kernel_varlen_backward_into(
             (self.dq.result()[0], dk[0], dv[0]), self.dout[0], self.q[0], k[0], v[0], self.out[0], self.lse[0],
             _packing(call, run.backend, self.q.device, self.cache), scale=run.scale, window=call.window,
             softcap=run.softcap,

@@ -411,17 +411,17 @@ def heads_backward(
     other reference frees the received heads before the kernels and the expanded ones before the
     last steps (Note [Ulysses memory], Note [Own K/V released] in ``seqpar.parallel.ring``)."""
     mine = spec.mine
+    extra_k, extra_v = extra or (None, None)
     if not mine.q_len:  # no head here: zero shares, so every rank returns the same gradients (sum over CP)
         k_u, v_u = kv_u
         kv_u.clear()
-        zeros = [None if x is None else torch.zeros_like(x) for x in (sinks, *(extra or (None, None)))]
+        zeros = [None if x is None else torch.zeros_like(x) for x in (sinks, extra_k, extra_v)]
         return (torch.zeros_like(q_u), torch.zeros_like(k_u), torch.zeros_like(v_u), *zeros)
     kv_u[:] = [_expand(mine, x) for x in kv_u]
     dq_u, dk_u, dv_u, ds, d_ek, d_ev = kv_backward(
         dout_u, q_u, kv_u, None if sinks is None else mine.q_heads(sinks, 0), _my_extra(mine, extra), out_u, lse_u,
         _my_slopes(run, mine),
     )
-    extra_k, extra_v = extra or (None, None)
     return (
         dq_u, _unexpand(mine, dk_u), _unexpand(mine, dv_u), _place(mine, ds, sinks, "q", 0),
         _place(mine, d_ek, extra_k, "kv", 2), _place(mine, d_ev, extra_v, "kv", 2),

@@ -336,7 +336,7 @@ def pair_geometry(placement: Placement, mask: Mask) -> Tensor:
     radix = 2 + distances.numel()  # per (query piece, key piece): 0 no block, 1 whole, 2 + the distance's index: cut
     if nL**4 * radix**4 >= 2**62:  # (never for a real shape: each distance cut is a mask edge)
         columns = [code] + [torch.where(c, 2 + torch.searchsorted(distances, d), w.long()) for d, (w, c) in zip(deltas, kinds)]
-        return torch.unique(torch.stack([c.reshape(-1) for c in columns], 1), dim=0, return_inverse=True)[1].view(R, R)
+        return _unique_rows([c.reshape(-1) for c in columns])[1].view(R, R)
     for d, (whole, cut) in zip(deltas, kinds):
         column = whole.long()
         if distances.numel():
